@@ -1,0 +1,112 @@
+"""Random numbers per (stage, micro-batch), independent of thread timing.
+
+Dropout draws from the *process-wide* generator of its device. With one thread per
+stage, the order in which stage threads draw would change from run to run, and a
+checkpointed stage could not replay its masks (another thread may draw between "restore
+state" and "recompute"). So each (stage, micro-batch) gets a private random stream,
+seeded from the step's seed: while a stage thread runs inside `microbatch_rng`, every
+random op it calls swaps its private state in and out under a lock. Masks then depend only
+on (step seed, stage, micro-batch): identical across schedules, checkpoint modes, thread
+timings and the threaded and multi-process executors.
+
+The lock is held only for the random op itself (a dropout mask, an attention with
+dropout), not for the matrix multiplies around it.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+_LOCK = threading.Lock()
+
+# Functions that draw random numbers. Ops nested inside another torch function are not
+# seen by a function mode, hence multi_head_attention_forward (its attention dropout).
+_ALWAYS_RANDOM = {
+    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+    F.feature_alpha_dropout, F.rrelu, F.gumbel_softmax,
+    torch.bernoulli, torch.rand, torch.rand_like, torch.randn, torch.randn_like,
+    torch.randint, torch.randint_like, torch.randperm, torch.normal, torch.poisson,
+    torch.multinomial,
+    torch.Tensor.bernoulli_, torch.Tensor.uniform_, torch.Tensor.normal_,
+    torch.Tensor.random_, torch.Tensor.exponential_, torch.Tensor.geometric_,
+    torch.Tensor.log_normal_, torch.Tensor.cauchy_,
+}
+# function -> positions of its (dropout_p, training) arguments; None: always training
+_RANDOM_IF_DROPOUT = {
+    F.scaled_dot_product_attention: (4, None),
+    F.multi_head_attention_forward: (10, 13),
+}
+
+
+def _argument(args: tuple, kwargs: dict, name: str, position: int | None, default):
+    if name in kwargs:
+        return kwargs[name]
+    return args[position] if position is not None and len(args) > position else default
+
+
+def _draws_random(func: Callable, args: tuple, kwargs: dict) -> bool:
+    if func in _ALWAYS_RANDOM:
+        return True
+    positions = _RANDOM_IF_DROPOUT.get(func)
+    if positions is None:
+        return False
+    dropout_p = _argument(args, kwargs, "dropout_p", positions[0], 0.0)
+    training = _argument(args, kwargs, "training", positions[1], True)
+    return bool(dropout_p) and bool(training)
+
+
+def seed_for(step_seed: int, stage: int, microbatch: int) -> int:
+    """A seed that depends on nothing but these three numbers."""
+    digest = hashlib.blake2b(f"{step_seed}/{stage}/{microbatch}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def new_step_seed() -> int:
+    """Drawn from the global generator, so `torch.manual_seed` makes steps reproducible."""
+    return int(torch.randint(0, 2**62, ()).item())
+
+
+class _PrivateStream(TorchFunctionMode):
+    def __init__(self, seed: int, device: torch.device):
+        super().__init__()
+        self.cuda = device if device.type == "cuda" else None
+        with _LOCK, torch.random.fork_rng(devices=[self.cuda] if self.cuda else []):
+            torch.manual_seed(seed)
+            self.cpu_state = torch.get_rng_state()
+            self.cuda_state = torch.cuda.get_rng_state(self.cuda) if self.cuda else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _draws_random(func, args, kwargs):
+            return func(*args, **kwargs)
+        with _LOCK:
+            saved_cpu = torch.get_rng_state()
+            torch.set_rng_state(self.cpu_state)
+            if self.cuda:
+                saved_cuda = torch.cuda.get_rng_state(self.cuda)
+                torch.cuda.set_rng_state(self.cuda_state, self.cuda)
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.cpu_state = torch.get_rng_state()
+                torch.set_rng_state(saved_cpu)
+                if self.cuda:
+                    self.cuda_state = torch.cuda.get_rng_state(self.cuda)
+                    torch.cuda.set_rng_state(saved_cuda, self.cuda)
+
+
+@contextlib.contextmanager
+def microbatch_rng(seed: int, device: torch.device | str = "cpu") -> Iterator[None]:
+    """Run the block with its own random stream, started from ``seed``.
+
+    Entering twice with the same seed replays the same random numbers: that is how a
+    checkpointed stage recomputes its forward with the dropout masks of the first pass.
+    """
+    with _PrivateStream(seed, torch.device(device)):
+        yield
