@@ -117,9 +117,12 @@ class Pipe(nn.Module):
         outputs: dict[int, Any] = {}
         mailbox = Mailbox()
 
-        def work(rank: int, action: Action) -> None:
+        def receive(action: Action) -> Any:
             s, i = action.stage, action.microbatch
-            x = micro[i] if s == 0 else mailbox.get((s, i))
+            return micro[i] if s == 0 else mailbox.get((s, i))
+
+        def compute(action: Action, x: Any) -> None:
+            s, i = action.stage, action.microbatch
             y = self._stage_forward(s, i, m, step_seed, transfer(x, self.devices[s]))
             if s == n - 1:
                 outputs[i] = y
@@ -127,7 +130,8 @@ class Pipe(nn.Module):
                 mailbox.put((s + 1, i), transfer(y, self.devices[s + 1]))
 
         programs = [[Action(s, "F", i) for i in range(m)] for s in range(n)]
-        self.timeline = run_programs(programs, self.devices, work, mailbox, "forward")
+        self.timeline = run_programs(programs, self.devices, receive, compute, mailbox,
+                                     "forward")
         return gather([outputs[i] for i in range(m)])
 
     # -- scheduled training step ---------------------------------------------------------
@@ -175,25 +179,33 @@ class Pipe(nn.Module):
                                loss_weights=weights, first=s == 0) for s in range(n)]
         mailbox = Mailbox()
 
-        def work(rank: int, action: Action) -> None:
+        def receive(action: Action) -> Any:
+            """The activation (F) or output gradient (B, I) this action consumes."""
+            s, i = action.stage, action.microbatch
+            if action.kind == "F":
+                return micro_in[i] if s == 0 else mailbox.get(("F", s, i))
+            if action.kind in ("B", "I") and s < n - 1:
+                return mailbox.get(("B", s, i))
+            return None
+
+        def compute(action: Action, received: Any) -> None:
             s, i = action.stage, action.microbatch
             runner, device = runners[s], self.devices[s]
             if action.kind == "F":
-                x = micro_in[i] if s == 0 else mailbox.get(("F", s, i))
                 target_i = transfer(micro_target[i], device) if s == n - 1 else None
-                y = runner.forward(i, transfer(x, device), target_i)
+                y = runner.forward(i, transfer(received, device), target_i)
                 if s < n - 1:
                     mailbox.put(("F", s + 1, i), transfer(y, self.devices[s + 1]))
             elif action.kind == "W":
                 runner.backward_weight(i)
             else:
-                grad = None if s == n - 1 else mailbox.get(("B", s, i))
                 backward = runner.backward if action.kind == "B" else runner.backward_input
-                grad_in = backward(i, grad)
+                grad_in = backward(i, received)
                 if s > 0:
                     mailbox.put(("B", s - 1, i), transfer(grad_in, self.devices[s - 1]))
 
         rank_devices = [self.devices[r] for r in range(plan.ranks)]
-        self.timeline = run_programs(plan.actions, rank_devices, work, mailbox, plan.name)
+        self.timeline = run_programs(plan.actions, rank_devices, receive, compute, mailbox,
+                                     plan.name)
         losses = runners[-1].losses
         return torch.stack([losses[i] for i in range(m)]).sum()

@@ -48,13 +48,15 @@ class Mailbox:
 
 
 def run_programs(programs: list[list[Action]], devices: list[torch.device],
-                 work: Callable[[int, Action], None], mailbox: Mailbox,
-                 title: str = "") -> Timeline:
-    """Run ``programs[r]`` on thread r, calling ``work(r, action)`` for each action.
+                 receive: Callable[[Action], Any], compute: Callable[[Action, Any], None],
+                 mailbox: Mailbox, title: str = "") -> Timeline:
+    """Run ``programs[r]`` on thread r: for each action, wait for its input with
+    ``receive(action)``, then ``compute(action, input)`` (which also hands on the result).
 
-    Returns the measured timeline (seconds since the start). On CUDA each action is
-    synchronised before its end time is taken, so the timeline shows when the device
-    really worked rather than when kernels were queued.
+    Returns the measured timeline (seconds since the start): an event spans the compute
+    only, so waiting shows as idle time. On CUDA each action is synchronised before its
+    end time is taken, so the timeline shows when the device really worked rather than
+    when kernels were queued.
     """
     grad_enabled = torch.is_grad_enabled()  # grad mode is per thread: hand it on
     errors: list[tuple[int, Action | None, BaseException]] = []
@@ -69,8 +71,9 @@ def run_programs(programs: list[list[Action]], devices: list[torch.device],
                 torch.cuda.set_device(device)
             with torch.set_grad_enabled(grad_enabled):
                 for action in programs[rank]:
+                    received = receive(action)
                     start = time.perf_counter()
-                    work(rank, action)
+                    compute(action, received)
                     if device.type == "cuda":
                         torch.cuda.current_stream(device).synchronize()
                     events.append(Event(rank, action, start - t0, time.perf_counter() - t0))

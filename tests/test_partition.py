@@ -1,0 +1,253 @@
+import itertools
+import random
+from fractions import Fraction
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline_lib.partition import (
+    balance_by_memory,
+    balance_by_params,
+    balance_by_time,
+    layer_memory,
+    layer_params,
+    layer_times,
+    optimal_split,
+    stage_costs,
+)
+
+
+def all_balances(layers: int, stages: int):
+    """Every way to cut ``layers`` into ``stages`` non-empty runs, in lexicographic order."""
+    for cuts in itertools.combinations(range(1, layers), stages - 1):
+        bounds = (0, *cuts, layers)
+        yield [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def exact_bottleneck(costs, balance) -> Fraction:
+    bounds = list(itertools.accumulate(balance, initial=0))
+    return max(sum(map(Fraction, costs[a:b])) for a, b in zip(bounds, bounds[1:]))
+
+
+def random_costs(rng: random.Random, layers: int) -> list:
+    kind = rng.choice(["small ints", "floats", "decimal floats"])
+    if kind == "small ints":  # lots of zeros and ties
+        return [rng.randint(0, 3) for _ in range(layers)]
+    if kind == "floats":
+        return [rng.choice([0.0, rng.random()]) for _ in range(layers)]
+    return [rng.choice([0.0, 0.1, 0.2, 0.3, 0.7]) for _ in range(layers)]  # inexact sums
+
+
+def is_valid(balance, layers, stages) -> bool:
+    return (
+        type(balance) is list
+        and len(balance) == stages
+        and all(type(n) is int and n >= 1 for n in balance)
+        and sum(balance) == layers
+    )
+
+
+# --------------------------------------------------------------------------- optimal_split
+
+
+def test_optimal_split_matches_brute_force():
+    rng = random.Random(0)
+    for _ in range(600):
+        layers = rng.randint(1, 9)
+        stages = rng.randint(1, min(5, layers))
+        costs = random_costs(rng, layers)
+
+        balance = optimal_split(costs, stages)
+
+        assert is_valid(balance, layers, stages), (costs, stages, balance)
+        candidates = list(all_balances(layers, stages))
+        best = min(exact_bottleneck(costs, b) for b in candidates)
+        assert exact_bottleneck(costs, balance) == best, (costs, stages, balance)
+        # Documented tie-break: the lexicographically smallest optimal balance.
+        first_optimal = next(b for b in candidates if exact_bottleneck(costs, b) == best)
+        assert balance == first_optimal, (costs, stages, balance)
+
+
+def test_optimal_split_examples():
+    assert optimal_split([1, 2, 3, 4, 5], 2) == [3, 2]
+    assert optimal_split([5, 1, 1, 1, 1, 1], 2) == [1, 5]
+    assert optimal_split([7], 1) == [1]
+    assert optimal_split([0, 0, 0, 0], 2) == [1, 3]  # all tie: first stage as small as it can
+    assert optimal_split([4, 4, 4, 4], 4) == [1, 1, 1, 1]
+
+
+def test_stage_costs():
+    assert stage_costs([1, 2, 3, 4, 5], [3, 2]) == [6.0, 9.0]
+    assert stage_costs([0.1] * 10, [10]) == [1.0]  # fsum: exact, no 0.9999999999999999
+
+
+# --------------------------------------------------------------------------- params
+
+
+def test_balance_by_params_unequal_layers():
+    model = nn.Sequential(
+        nn.Linear(10, 10),  # 110
+        nn.Linear(10, 100),  # 1100
+        nn.ReLU(),  # 0
+        nn.Linear(100, 10),  # 1010
+        nn.Linear(10, 10),  # 110
+    )
+    assert layer_params(model) == [110, 1100, 0, 1010, 110]
+    assert balance_by_params(model, 2) == [2, 3]  # 1210 | 1120
+    assert balance_by_params(model, 3) == [1, 1, 3]  # 110 | 1100 | 1120
+    assert balance_by_params(model, 5) == [1, 1, 1, 1, 1]
+
+
+def test_shared_parameters_counted_once():
+    first, second = nn.Linear(8, 8), nn.Linear(8, 8)
+    second.weight = first.weight  # tied weight, separate biases
+    assert layer_params(nn.Sequential(first, nn.ReLU(), second)) == [72, 0, 8]
+
+    layer = nn.Linear(8, 8)
+    repeated = nn.Sequential(layer, nn.ReLU(), layer)  # same module listed twice
+    assert layer_params(repeated) == [72, 0, 0]
+    assert balance_by_params(repeated, 3) == [1, 1, 1]
+
+
+# --------------------------------------------------------------------------- time
+
+
+def test_balance_by_time_isolates_heavy_layer():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.ReLU(), nn.Tanh(), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Tanh()
+    )
+    sample = torch.randn(64, 1024)
+
+    times = layer_times(model, sample, repeats=3)
+    assert len(times) == 6 and all(t > 0 for t in times)
+    assert times[3] == max(times)
+
+    balance = balance_by_time(model, sample, 3, repeats=3)
+    assert is_valid(balance, 6, 3)
+    assert balance == [3, 1, 2]  # the big Linear has a stage to itself
+
+
+def test_profiling_leaves_model_and_sample_untouched():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
+    sample = torch.randn(8, 4, requires_grad=True)
+    layer_times(model, sample, repeats=1)
+    layer_memory(model, sample)
+    assert all(p.grad is None for p in model.parameters())
+    assert sample.grad is None
+    assert not model.training
+    assert model[1].num_batches_tracked.item() == 0
+
+
+def test_tuple_activations():
+    class Split(nn.Module):
+        def forward(self, x):
+            return x[:, :2], x[:, 2:]
+
+    class Join(nn.Module):
+        def forward(self, pair):
+            return torch.cat(pair, dim=1).relu()
+
+    model = nn.Sequential(nn.Linear(4, 4), Split(), Join())
+    assert len(layer_times(model, torch.randn(3, 4), repeats=1)) == 3
+    assert is_valid(balance_by_memory(model, torch.randn(3, 4), 2), 3, 2)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+class Widen(nn.Module):
+    """Saves four times as much for backward as a plain ReLU."""
+
+    def forward(self, x):
+        return torch.cat([x, x, x, x], dim=1).relu()
+
+
+class Square(nn.Module):
+    def forward(self, x):
+        return x * x  # saves x twice: one storage
+
+
+def test_layer_memory_counts_saved_activations():
+    sample = torch.randn(8, 16, requires_grad=True)
+    act = sample.numel() * 4  # float32 bytes of one activation
+    model = nn.Sequential(nn.Identity(), nn.ReLU(), Square(), Widen())
+    assert layer_memory(model, sample) == [0, act, act, 4 * act]
+
+
+def test_layer_memory_counts_params_and_grads():
+    sample = torch.randn(8, 32)
+    linear = nn.Linear(32, 32)
+    param_bytes = (32 * 32 + 32) * 4
+    # Linear saves its input for the weight gradient; the saved weight is not an activation.
+    assert layer_memory(nn.Sequential(linear), sample) == [sample.numel() * 4 + 2 * param_bytes]
+    linear.requires_grad_(False)  # frozen: no grad, and nothing saved for backward
+    assert layer_memory(nn.Sequential(linear), sample) == [param_bytes]
+
+
+def test_balance_by_memory_gives_heavy_layer_its_own_stage():
+    model = nn.Sequential(nn.ReLU(), nn.ReLU(), nn.ReLU(), Widen())
+    sample = torch.randn(8, 16, requires_grad=True)
+    balance = balance_by_memory(model, sample, 2)
+    assert is_valid(balance, 4, 2)
+    assert balance == [3, 1]
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "costs, stages, error, message",
+    [
+        ([], 1, ValueError, "costs is empty"),
+        ([1, -2, 3], 2, ValueError, "costs[1] is -2: costs must be non-negative"),
+        ([1, float("nan")], 1, ValueError, "must be a finite number"),
+        ([1, 2, 3], 0, ValueError, "stages must be at least 1, got 0"),
+        ([1, 2, 3], 4, ValueError, "cannot split 3 layers into 4 stages"),
+        ([1, 2, 3], 2.0, TypeError, "stages must be an int"),
+    ],
+)
+def test_optimal_split_bad_input(costs, stages, error, message):
+    with pytest.raises(error) as info:
+        optimal_split(costs, stages)
+    assert message in str(info.value)
+
+
+def test_stage_costs_bad_balance():
+    with pytest.raises(ValueError, match="covers 2 layers but there are 3 costs"):
+        stage_costs([1, 2, 3], [1, 1])
+    with pytest.raises(ValueError, match="at least 1"):
+        stage_costs([1, 2, 3], [3, 0])
+
+
+def test_not_sequential_says_how_to_wrap():
+    model = nn.Linear(4, 4)
+    for call in (
+        lambda: balance_by_params(model, 1),
+        lambda: balance_by_time(model, torch.randn(2, 4), 1),
+        lambda: balance_by_memory(model, torch.randn(2, 4), 1),
+    ):
+        with pytest.raises(TypeError) as info:
+            call()
+        message = str(info.value)
+        assert "needs an nn.Sequential" in message and "got Linear" in message
+        assert "nn.Sequential(*model.children())" in message
+
+
+def test_more_stages_than_layers_fails_before_profiling():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3 stages"):
+        balance_by_time(model, torch.randn(2, 4), 3)
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3 stages"):
+        balance_by_params(model, 3)
+
+
+def test_bad_profiling_arguments():
+    model = nn.Sequential(nn.ReLU())
+    with pytest.raises(ValueError, match="empty nn.Sequential"):
+        balance_by_params(nn.Sequential(), 1)
+    with pytest.raises(ValueError, match="repeats must be an int of at least 1"):
+        layer_times(model, torch.randn(2), repeats=0)
+    with pytest.raises(TypeError, match="sample must be a Tensor or a tuple of Tensors"):
+        layer_memory(model, [torch.randn(2)])

@@ -1,0 +1,265 @@
+"""Pipe: pipelined training is the same computation as unpipelined training."""
+import copy
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline_lib import Pipe, is_checkpointing, is_recomputing, simulate
+from pipeline_lib.schedules import dependencies, gpipe, splits_backward
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
+CHECKPOINTS = ["always", "except_last", "never"]
+BALANCES = {2: [4, 5], 3: [3, 3, 3], 4: [2, 2, 2, 3]}
+
+
+def make_model(dropout: float = 0.0) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [nn.Linear(6, 6), nn.Tanh() if not dropout else nn.Dropout(dropout)]
+    return nn.Sequential(*layers, nn.Linear(6, 3))
+
+
+def data(rows: int = 10):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(rows, 6, generator=g), torch.randint(0, 3, (rows,), generator=g)
+
+
+def assert_same_grads(model, reference):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad is not None, f"{name} got no gradient"
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def cases():
+    for schedule in SCHEDULES:
+        for stages in (2, 3, 4):
+            ranks = stages // 2 if schedule == "interleaved_1f1b" else stages
+            if schedule == "interleaved_1f1b" and stages % 2:
+                continue
+            for m in (1, 3, 4, 5):
+                if schedule == "interleaved_1f1b" and m % ranks:
+                    m = ranks * 2
+                yield schedule, stages, m
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+@pytest.mark.parametrize("schedule,stages,chunks", sorted(set(cases())))
+def test_step_matches_unpipelined_loss_and_gradients(schedule, stages, chunks, checkpoint):
+    x, y = data()
+    loss_fn = nn.CrossEntropyLoss()
+    reference = make_model()
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+
+    model = make_model()
+    pipe = Pipe(model, chunks=chunks, checkpoint=checkpoint, balance=BALANCES[stages])
+    loss = pipe.step(x, y, loss_fn, schedule=schedule)
+
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    assert_same_grads(model, reference)
+    assert len(pipe.timeline.events) == sum(map(len, pipe._schedule(schedule, chunks).actions))
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+@pytest.mark.parametrize("stages,chunks", [(2, 1), (2, 4), (3, 3), (4, 5)])
+def test_forward_matches_module_and_autograd_backward_matches(stages, chunks, checkpoint):
+    x, y = data()
+    reference = make_model()
+    expected = reference(x)
+    nn.functional.cross_entropy(expected, y).backward()
+
+    model = make_model()
+    pipe = Pipe(model, chunks=chunks, checkpoint=checkpoint, balance=BALANCES[stages])
+    out = pipe(x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    nn.functional.cross_entropy(out, y).backward()
+    assert_same_grads(model, reference)
+
+
+def test_children_are_stages_without_balance():
+    torch.manual_seed(0)
+    stage0 = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    stage1 = nn.Sequential(nn.Linear(4, 2))
+    pipe = Pipe(nn.Sequential(stage0, stage1), chunks=2)
+    assert list(pipe.partitions) == [stage0, stage1]
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(pipe(x), stage1(stage0(x)))
+
+
+def _grads_with_dropout(run) -> list[torch.Tensor]:
+    model = make_model(dropout=0.5)
+    torch.manual_seed(123)
+    run(model)
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_dropout_masks_replay_identically_under_checkpointing(schedule):
+    """Recomputation must see the dropout masks of the first pass, whatever the threads
+    do meanwhile; and masks depend on (step, stage, micro-batch) only, not on the order
+    the schedule runs things in."""
+    x, y = data(12)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step(checkpoint, schedule):
+        return lambda model: Pipe(model, chunks=4, checkpoint=checkpoint,
+                                  balance=[2, 2, 2, 3]).step(x, y, loss_fn, schedule)
+
+    never = _grads_with_dropout(step("never", "gpipe"))
+    always = _grads_with_dropout(step("always", schedule))
+    plain = _grads_with_dropout(lambda model: loss_fn(model(x), y).backward())
+    for a, b in zip(never, always):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert any(not torch.allclose(a, b) for a, b in zip(never, plain)), \
+        "dropout was not active: the test would prove nothing"
+
+
+def test_dropout_replays_in_the_autograd_path_too():
+    x, y = data(12)
+
+    def run(checkpoint):
+        return lambda model: nn.functional.cross_entropy(
+            Pipe(model, chunks=3, checkpoint=checkpoint, balance=[4, 5])(x), y).backward()
+
+    for a, b in zip(_grads_with_dropout(run("never")), _grads_with_dropout(run("always"))):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+class Spy(nn.Module):
+    """Records in which mode each forward ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def forward(self, x):
+        self.calls.append((is_checkpointing(), is_recomputing()))
+        return x
+
+
+@pytest.mark.parametrize("checkpoint,expected", [
+    ("always", [(True, False)] * 3 + [(False, True)] * 3),
+    ("except_last", [(True, False)] * 2 + [(False, False)] + [(False, True)] * 2),
+    ("never", [(False, False)] * 3),
+])
+def test_layers_know_when_they_are_recomputed(checkpoint, expected):
+    spy = Spy()
+    model = nn.Sequential(nn.Linear(6, 6), spy, nn.Linear(6, 3))
+    x, y = data(6)
+    Pipe(model, chunks=3, checkpoint=checkpoint, balance=[2, 1]).step(
+        x, y, nn.CrossEntropyLoss(), "gpipe")
+    assert sorted(spy.calls, reverse=True) == sorted(expected, reverse=True)
+    assert len(spy.calls) == len(expected)
+
+
+# -- bad input --------------------------------------------------------------------------
+
+def test_bad_inputs_get_clear_errors():
+    model = make_model()
+    with pytest.raises(TypeError, match="Pipe needs an nn.Sequential, got Linear"):
+        Pipe(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"balance \[4, 4\] sums to 8 but the module has "
+                                         r"9 layers"):
+        Pipe(model, balance=[4, 4])
+    with pytest.raises(ValueError, match="checkpoint must be one of"):
+        Pipe(model, checkpoint="sometimes")
+    with pytest.raises(ValueError, match="chunks must be a positive integer"):
+        Pipe(model, chunks=0)
+    with pytest.raises(ValueError, match="got 3 devices for 2 stages"):
+        Pipe(model, balance=[4, 5], devices=["cpu"] * 3)
+    x, y = data(3)
+    with pytest.raises(ValueError, match="a batch of 3 rows cannot be split into 4"):
+        Pipe(model, chunks=4, balance=[4, 5]).step(x, y, nn.CrossEntropyLoss())
+    with pytest.raises(ValueError, match="needs an even number of stages, not 3"):
+        Pipe(model, chunks=1, balance=[3, 3, 3]).step(x, y, nn.CrossEntropyLoss(),
+                                                      "interleaved_1f1b")
+    with pytest.raises(ValueError, match="is for 3 stages and 2 micro-batches, but this "
+                                         "Pipe has 2 stages"):
+        Pipe(model, chunks=2, balance=[4, 5]).step(x[:2], y[:2], nn.CrossEntropyLoss(),
+                                                   gpipe(3, 2))
+
+
+class Explode(nn.Module):
+    def __init__(self, on_microbatch_rows: int, in_backward: bool = False):
+        super().__init__()
+        self.rows, self.in_backward = on_microbatch_rows, in_backward
+
+    def forward(self, x):
+        if x.size(0) == self.rows and not self.in_backward:
+            raise ValueError("boom in forward")
+        if self.in_backward:
+            x = x.clone()
+            x.register_hook(lambda g: (_ for _ in ()).throw(ValueError("boom in backward")))
+        return x
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_a_failing_stage_raises_in_the_caller_without_hanging(schedule, in_backward):
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6), Explode(1, in_backward),
+                          nn.Linear(6, 3))
+    x, y = data(4)  # 4 chunks of 1 row: the first micro-batch already explodes
+    pipe = Pipe(model, chunks=4, checkpoint="never", balance=[1, 1, 2])
+    with pytest.raises(ValueError, match="boom") as err:
+        pipe.step(x, y, nn.CrossEntropyLoss(), schedule)
+    assert any("raised on pipeline rank 2" in note for note in err.value.__notes__)
+    with pytest.raises(ValueError, match="boom"):
+        out = pipe(x)
+        if in_backward:
+            out.sum().backward()
+
+
+# -- measured timeline vs simulated timeline ----------------------------------------------
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, forward_s, backward_s):
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class SleepLayer(nn.Module):
+    """A stand-in for a layer with known cost: sleeping releases the GIL, so stage
+    threads overlap exactly like devices do, on any number of cores."""
+
+    def __init__(self, forward_s: float, backward_s: float):
+        super().__init__()
+        self.forward_s, self.backward_s = forward_s, backward_s
+        self.scale = nn.Parameter(torch.ones(()))  # gives every stage a backward to run
+
+    def forward(self, x):
+        return _Sleep.apply(x * self.scale, self.forward_s, self.backward_s)
+
+
+@pytest.mark.parametrize("schedule,stages,chunks", [("gpipe", 2, 4), ("1f1b", 3, 6),
+                                                     ("interleaved_1f1b", 4, 4)])
+def test_measured_timeline_matches_simulated_shape(schedule, stages, chunks):
+    f, b = 0.02, 0.04
+    model = nn.Sequential(*[SleepLayer(f, b) for _ in range(stages)])
+    pipe = Pipe(model, chunks=chunks, checkpoint="never")
+    x = torch.randn(chunks, 2)
+    for _ in range(2):  # the first step warms up autograd's machinery on each thread
+        pipe.step(x, x, lambda out, target: (out - target).pow(2).mean(), schedule)
+    measured = pipe.timeline
+    plan = pipe._schedule(schedule, chunks)
+    simulated = simulate(plan, forward=f, backward=b)
+
+    for r in range(plan.ranks):  # same order on every rank
+        mine = sorted((e for e in measured.events if e.rank == r), key=lambda e: e.start)
+        assert [e.action for e in mine] == plan.actions[r]
+    end = {e.action: e.end for e in measured.events}
+    for e in measured.events:  # dependencies held in real time
+        for d in dependencies(e.action, plan.stages, splits_backward(plan)):
+            assert e.start >= end[d]
+    assert measured.bubble_fraction() == pytest.approx(simulated.bubble_fraction(), abs=0.08)
+    assert measured.makespan == pytest.approx(simulated.makespan, rel=0.25)
