@@ -75,16 +75,23 @@ def new_step_seed() -> int:
 class _PrivateStream(TorchFunctionMode):
     def __init__(self, seed: int, device: torch.device):
         super().__init__()
+        self.seed = seed
         self.cuda = device if device.type == "cuda" else None
-        with _LOCK, torch.random.fork_rng(devices=[self.cuda] if self.cuda else []):
-            torch.manual_seed(seed)
-            self.cpu_state = torch.get_rng_state()
-            self.cuda_state = torch.cuda.get_rng_state(self.cuda) if self.cuda else None
+        self.cpu_state: torch.Tensor | None = None   # made on the first random op
+        self.cuda_state: torch.Tensor | None = None
+
+    def _start(self) -> None:
+        self.cpu_state = torch.Generator().manual_seed(self.seed).get_state()
+        if self.cuda:
+            generator = torch.Generator(device=self.cuda).manual_seed(self.seed)
+            self.cuda_state = generator.get_state()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not _draws_random(func, args, kwargs):
             return func(*args, **kwargs)
+        if self.cpu_state is None:
+            self._start()
         with _LOCK:
             saved_cpu = torch.get_rng_state()
             torch.set_rng_state(self.cpu_state)

@@ -1,0 +1,117 @@
+"""Threaded Pipe vs plain sequential training, side by side, on the CPU.
+
+Two stages, each on its own thread with one intra-op thread, against the same model
+trained without a pipeline on one thread. Prints one JSON line per configuration, then a
+table of speedups next to the ideal of a fill-drain pipeline.
+
+    python bench/bench_pipe.py            # the README's table (about a minute)
+    python bench/bench_pipe.py --quick    # smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from pipeline_lib import Pipe
+from pipeline_lib.partition import balance_by_time
+
+
+def transformer_stack(d_model: int, layers: int, heads: int, ff: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.TransformerEncoderLayer(d_model, heads, ff, dropout=0.1,
+                                                      batch_first=True)
+                           for _ in range(layers)])
+
+
+def timed(step, repeats: int) -> float:
+    step()  # warm-up: allocator, autograd threads
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def ideal_speedup(stage_times: list[float], m: int) -> float:
+    """Fill-drain pipeline with per-micro-batch stage times t_s: m·Σt / (Σt + (m-1)·max t),
+    which is p·m / (m + p - 1) for equal stages."""
+    total = sum(stage_times)
+    return m * total / (total + (m - 1) * max(stage_times))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, one repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)  # one intra-op thread per stage thread
+    if args.quick:
+        d_model, layers, heads, ff, batch, seq, repeats = 64, 4, 4, 128, 16, 16, 1
+    else:
+        d_model, layers, heads, ff, batch, seq, repeats = 512, 8, 8, 2048, 32, 64, args.repeats
+    model = transformer_stack(d_model, layers, heads, ff)
+    x = torch.randn(batch, seq, d_model)
+    target = torch.randn(batch, seq, d_model)
+    loss_fn = nn.MSELoss()
+    balance = balance_by_time(model, x[: batch // 8], 2)
+
+    def sequential_step() -> None:
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x), target).backward()
+
+    rows = []
+    base = timed(sequential_step, repeats)
+    rows.append({"config": "sequential", "schedule": "-", "m": 1, "step_s": base,
+                 "speedup": 1.0})
+
+    stage_times = None
+    for schedule in ("gpipe", "1f1b"):
+        for m in (1, 2, 4, 8):
+            pipe = Pipe(copy.deepcopy(model), chunks=m, checkpoint="never", balance=balance)
+
+            def pipe_step() -> None:
+                pipe.zero_grad(set_to_none=True)
+                pipe.step(x, target, loss_fn, schedule)
+
+            seconds = timed(pipe_step, repeats)
+            if stage_times is None:  # m = 1: each stage alone, the whole batch
+                stage_times = [sum(e.duration for e in pipe.timeline.events if e.rank == r)
+                               for r in range(2)]
+            rows.append({"config": "pipe", "schedule": schedule, "m": m, "step_s": seconds,
+                         "speedup": base / seconds,
+                         "ideal_equal": 2 * m / (m + 1),
+                         "ideal_split": ideal_speedup(stage_times, m),
+                         "bubble_measured": pipe.timeline.bubble_fraction()})
+            rows[-1]["of_ideal_split"] = rows[-1]["speedup"] / rows[-1]["ideal_split"]
+
+    meta = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+            "threads_per_stage": 1, "model": f"{layers}x TransformerEncoderLayer d={d_model} "
+            f"h={heads} ff={ff}", "batch": batch, "seq": seq, "balance": balance,
+            "stage_times_s": stage_times}
+    print(json.dumps({"meta": meta}))
+    for row in rows:
+        print(json.dumps(row))
+
+    print(f"\nSequential (1 thread) vs Pipe.step (2 stage threads x 1 thread), "
+          f"balance {balance}.\nIdeal = m·Σt/(Σt+(m-1)·max t) for the measured stage times "
+          f"t (p·m/(m+p-1) if equal).")
+    print(f"| schedule | m | step (s) | speedup | ideal | of ideal | bubble |")
+    print(f"|---|---|---|---|---|---|---|")
+    print(f"| sequential | - | {base:.3f} | 1.00 | - | - | - |")
+    for r in rows[1:]:
+        print(f"| {r['schedule']} | {r['m']} | {r['step_s']:.3f} | {r['speedup']:.2f} | "
+              f"{r['ideal_split']:.2f} | {r['of_ideal_split']:.0%} | "
+              f"{r['bubble_measured']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
