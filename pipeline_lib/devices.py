@@ -1,11 +1,13 @@
 """Where stages live and how tensors move between them.
 
-Between two GPUs an activation is copied on a side stream of the receiving GPU, so the
-copy overlaps with the computation running on both devices' compute streams.
+A stage lives where its parameters are, unless a layer in it is wrapped in `WithDevice`;
+a stage without parameters stays on the previous stage's device. Between two GPUs an
+activation is copied on a side stream of the receiving GPU, so the copy overlaps with the
+computation running on both devices' compute streams.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -13,11 +15,68 @@ from torch import Tensor, nn
 _copy_streams: dict[torch.device, "torch.cuda.Stream"] = {}
 
 
+class WithDevice(nn.Module):
+    """Pin ``module`` (and the stage it lands in) to ``device``.
+
+    Without it a `Pipe` places a stage where its parameters already are, and a stage with
+    none (an activation, a reshape, a loss head) where the stage before it is; wrap a
+    layer to choose instead, e.g. to balance memory: ``WithDevice(nn.Dropout(0.1),
+    "cuda:1")``. The wrapper is transparent: it calls ``module`` and holds it as
+    ``.module``.
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device | str):
+        super().__init__()
+        self.module, self.device = module, torch.device(device)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"device={self.device}"
+
+
+def pinned_device(module: nn.Module) -> torch.device | None:
+    """The device that `WithDevice` wrappers inside ``module`` ask for, if any."""
+    pinned = {m.device for m in module.modules() if isinstance(m, WithDevice)}
+    if len(pinned) > 1:
+        raise ValueError(f"one stage holds layers pinned by WithDevice to different devices "
+                         f"{sorted(map(str, pinned))}; a stage runs on one device, so split "
+                         f"them into different stages (see Pipe's balance)")
+    return pinned.pop() if pinned else None
+
+
 def module_device(module: nn.Module, default: torch.device) -> torch.device:
-    """The device of a module's first parameter or buffer; ``default`` if it has none."""
+    """Where a stage goes: its `WithDevice` pin, else the device of its first parameter or
+    buffer, else ``default``."""
+    pinned = pinned_device(module)
+    if pinned is not None:
+        return pinned
     for t in list(module.parameters()) + list(module.buffers()):
         return t.device
     return default
+
+
+def stage_devices(stages: Sequence[nn.Module],
+                  devices: Sequence[torch.device | str] | None) -> list[torch.device]:
+    """One device per stage: ``devices`` checked against the stages' `WithDevice` pins,
+    or, when None, found with `module_device`, each stage defaulting to the previous one's."""
+    if devices is None:
+        found, previous = [], torch.device("cpu")
+        for stage in stages:
+            previous = module_device(stage, previous)
+            found.append(previous)
+        return found
+    if len(devices) != len(stages):
+        raise ValueError(f"got {len(devices)} devices for {len(stages)} stages; give "
+                         f"one device per stage (stages may share a device)")
+    devices = [torch.device(d) for d in devices]
+    for s, (stage, device) in enumerate(zip(stages, devices)):
+        pinned = pinned_device(stage)
+        if pinned is not None and pinned != device:
+            raise ValueError(f"stage {s} holds a layer pinned by WithDevice to {pinned}, "
+                             f"but devices[{s}] is {device}; make them agree or drop one")
+    return devices
 
 
 def transfer(value: Any, device: torch.device) -> Any:

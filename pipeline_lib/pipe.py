@@ -12,11 +12,13 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from .batchnorm import DeferredBatchNorm
 from .checkpoint import check_mode, checkpointed, checkpointing, recomputing
-from .devices import module_device, transfer
+from .devices import stage_devices, transfer
 from .microbatch import gather, loss_weights, split
 from .rng import microbatch_rng, new_step_seed, seed_for
 from .schedules import Action, Schedule, build, validate
+from .skip import SkipError, SkipKey, SkipTracker, describe, skip_routes, use_tracker
 from .stage import LossFn, StageRunner
 from .threaded import Mailbox, run_programs
 from .timeline import Timeline
@@ -46,9 +48,17 @@ class Pipe(nn.Module):
     * ``balance=None``: every top-level child of ``module`` is one stage; otherwise
       ``balance[k]`` consecutive layers form stage k.
     * ``devices``: one per stage (stages may share a device); by default, where each
-      stage's parameters already are. Stages are moved to their devices.
-    * ``chunks``: micro-batches per mini-batch. ``checkpoint``: ``"always"``,
-      ``"except_last"`` or ``"never"`` (see `pipeline_lib.checkpoint`).
+      stage's parameters already are, or where a `WithDevice` layer in it says. Stages
+      are moved to their devices.
+    * ``chunks``: micro-batches per mini-batch. Inputs are split along dim 0; wrap a
+      tensor in `NoChunk` to give it whole to every micro-batch (a shared mask).
+      ``checkpoint``: ``"always"``, ``"except_last"`` or ``"never"`` (see
+      `pipeline_lib.checkpoint`).
+    * Skip connections: layers made with `skip.skippable` stash and pop tensors; each
+      goes straight from the stashing stage's device to the popping stage's, and its
+      gradient straight back. They are checked here: mismatches raise `SkipError`.
+    * ``deferred_batch_norm=True``: BatchNorm layers become `DeferredBatchNorm`, whose
+      running statistics are updated once per mini-batch, as without micro-batches.
 
     ``pipe(x)`` is the classic API: a pipelined forward whose output is connected to
     autograd, so ``criterion(pipe(x), y).backward()`` trains as usual; its backward is
@@ -58,7 +68,8 @@ class Pipe(nn.Module):
 
     def __init__(self, module: nn.Sequential, chunks: int = 1,
                  checkpoint: str = "except_last", balance: Sequence[int] | None = None,
-                 devices: Sequence[torch.device | str] | None = None):
+                 devices: Sequence[torch.device | str] | None = None,
+                 deferred_batch_norm: bool = False):
         super().__init__()
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"Pipe needs an nn.Sequential, got {type(module).__name__}; "
@@ -69,17 +80,13 @@ class Pipe(nn.Module):
             raise ValueError("cannot pipeline an empty nn.Sequential")
         self.chunks = chunks
         self.checkpoint = check_mode(checkpoint)
+        if deferred_batch_norm:
+            DeferredBatchNorm.convert(module, chunks)
         stages = _partition(module, balance)
-        if devices is None:
-            found, previous = [], torch.device("cpu")
-            for stage in stages:
-                previous = module_device(stage, previous)
-                found.append(previous)
-            devices = found
-        if len(devices) != len(stages):
-            raise ValueError(f"got {len(devices)} devices for {len(stages)} stages; give "
-                             f"one device per stage (stages may share a device)")
-        self.devices = [torch.device(d) for d in devices]
+        stage_of_layer = [s for s, count in enumerate(balance or [1] * len(stages))
+                          for _ in range(count)]
+        self.skip_routes = skip_routes(module, stage_of_layer)
+        self.devices = stage_devices(stages, devices)
         self.partitions = nn.ModuleList(s.to(d) for s, d in zip(stages, self.devices))
         self.timeline: Timeline | None = None
 
@@ -89,26 +96,62 @@ class Pipe(nn.Module):
     # -- the classic API: pipelined forward, autograd backward ---------------------------
 
     def _stage_forward(self, stage: int, microbatch: int, microbatches: int,
-                       step_seed: int, x: Any) -> Any:
+                       step_seed: int, x: Any, skips: dict[SkipKey, Tensor]
+                       ) -> tuple[Any, dict[SkipKey, Tensor]]:
+        """The stage's output and the tensors it stashed for later stages, both connected
+        to autograd (a checkpointed stage's recomputation pops ``skips`` again and its
+        stashes are dropped: the first run's are the ones in the graph)."""
         seed = seed_for(step_seed, stage, microbatch)
         device = self.devices[stage]
+        trackers: list[SkipTracker] = []
 
         def run(inputs: Any) -> Any:
-            with microbatch_rng(seed, device):
+            trackers.append(SkipTracker(skips))
+            with microbatch_rng(seed, device), use_tracker(trackers[-1]):
                 return self.partitions[stage](inputs)
 
         if not (torch.is_grad_enabled()
                 and checkpointed(self.checkpoint, microbatch, microbatches)):
-            return run(x)
-        calls = []
+            return run(x), trackers[0].stashed
 
         def run_checkpointed(inputs: Any) -> Any:
-            calls.append(None)
-            with (recomputing() if len(calls) > 1 else checkpointing()):
+            with (recomputing() if trackers else checkpointing()):
                 return run(inputs)
 
-        return torch.utils.checkpoint.checkpoint(run_checkpointed, x, use_reentrant=False,
-                                                 preserve_rng_state=False)
+        y = torch.utils.checkpoint.checkpoint(run_checkpointed, x, use_reentrant=False,
+                                              preserve_rng_state=False)
+        return y, trackers[0].stashed
+
+    # -- skip connections: straight from the stashing stage to the popping stage ---------
+
+    def _send_skips(self, mailbox: Mailbox, stage: int, microbatch: int,
+                    stashed: dict[SkipKey, Tensor]) -> None:
+        for route in self.skip_routes:
+            if route.source != stage:
+                continue
+            if route.key not in stashed:
+                raise SkipError(f"stage {stage} declares a stash of {describe(route.key)} "
+                                f"but its forward of micro-batch {microbatch} did not stash "
+                                f"it; stage {route.target} would wait for it forever")
+            mailbox.put(("skip", route.key, microbatch),
+                        transfer(stashed[route.key], self.devices[route.target]))
+
+    def _receive_skips(self, mailbox: Mailbox, stage: int, microbatch: int
+                       ) -> dict[SkipKey, Tensor]:
+        return {route.key: mailbox.get(("skip", route.key, microbatch))
+                for route in self.skip_routes if route.target == stage}
+
+    def _send_skip_grads(self, mailbox: Mailbox, microbatch: int,
+                         grads: dict[SkipKey, Tensor | None]) -> None:
+        for route in self.skip_routes:
+            if route.key in grads:
+                mailbox.put(("skip-grad", route.key, microbatch),
+                            transfer(grads[route.key], self.devices[route.source]))
+
+    def _receive_skip_grads(self, mailbox: Mailbox, stage: int, microbatch: int
+                            ) -> dict[SkipKey, Tensor | None]:
+        return {route.key: mailbox.get(("skip-grad", route.key, microbatch))
+                for route in self.skip_routes if route.source == stage}
 
     def forward(self, inputs: Any) -> Any:
         micro = split(inputs, self.chunks)
@@ -117,13 +160,17 @@ class Pipe(nn.Module):
         outputs: dict[int, Any] = {}
         mailbox = Mailbox()
 
-        def receive(action: Action) -> Any:
+        def receive(action: Action) -> tuple[Any, dict[SkipKey, Tensor]]:
             s, i = action.stage, action.microbatch
-            return micro[i] if s == 0 else mailbox.get((s, i))
+            x = micro[i] if s == 0 else mailbox.get((s, i))
+            return x, self._receive_skips(mailbox, s, i)
 
-        def compute(action: Action, x: Any) -> None:
+        def compute(action: Action, received: tuple[Any, dict[SkipKey, Tensor]]) -> None:
             s, i = action.stage, action.microbatch
-            y = self._stage_forward(s, i, m, step_seed, transfer(x, self.devices[s]))
+            x, skips = received
+            y, stashed = self._stage_forward(s, i, m, step_seed,
+                                             transfer(x, self.devices[s]), skips)
+            self._send_skips(mailbox, s, i, stashed)
             if s == n - 1:
                 outputs[i] = y
             else:
@@ -173,34 +220,41 @@ class Pipe(nn.Module):
         m, n = len(micro_in), len(self.partitions)
         plan = self._schedule(schedule, m)
         step_seed = new_step_seed()
-        weights = loss_weights(micro_in)
+        weights = loss_weights(micro_target)   # the loss averages over target rows
         runners = [StageRunner(s, self.partitions[s], self.devices[s], self.checkpoint, m,
                                step_seed, loss_fn=loss_fn if s == n - 1 else None,
                                loss_weights=weights, first=s == 0) for s in range(n)]
         mailbox = Mailbox()
 
-        def receive(action: Action) -> Any:
-            """The activation (F) or output gradient (B, I) this action consumes."""
+        def receive(action: Action) -> tuple[Any, dict[SkipKey, Tensor | None]] | None:
+            """The activation (F) or output gradient (B, I) this action consumes, with the
+            skip tensors it pops (F) or the gradients of those it stashed (B, I)."""
             s, i = action.stage, action.microbatch
             if action.kind == "F":
-                return micro_in[i] if s == 0 else mailbox.get(("F", s, i))
-            if action.kind in ("B", "I") and s < n - 1:
-                return mailbox.get(("B", s, i))
+                x = micro_in[i] if s == 0 else mailbox.get(("F", s, i))
+                return x, self._receive_skips(mailbox, s, i)
+            if action.kind in ("B", "I"):
+                grad = mailbox.get(("B", s, i)) if s < n - 1 else None
+                return grad, self._receive_skip_grads(mailbox, s, i)
             return None
 
         def compute(action: Action, received: Any) -> None:
             s, i = action.stage, action.microbatch
             runner, device = runners[s], self.devices[s]
             if action.kind == "F":
+                x, skips = received
                 target_i = transfer(micro_target[i], device) if s == n - 1 else None
-                y = runner.forward(i, transfer(received, device), target_i)
+                y = runner.forward(i, transfer(x, device), target_i, skips=skips)
+                self._send_skips(mailbox, s, i, runner.take_stashed(i))
                 if s < n - 1:
                     mailbox.put(("F", s + 1, i), transfer(y, self.devices[s + 1]))
             elif action.kind == "W":
                 runner.backward_weight(i)
             else:
+                grad, skip_grads = received
                 backward = runner.backward if action.kind == "B" else runner.backward_input
-                grad_in = backward(i, received)
+                grad_in = backward(i, grad, skip_grads=skip_grads)
+                self._send_skip_grads(mailbox, i, runner.take_skip_grads(i))
                 if s > 0:
                     mailbox.put(("B", s - 1, i), transfer(grad_in, self.devices[s - 1]))
 
