@@ -1,0 +1,116 @@
+"""Measure the activation memory each stage holds, over time, during a real step.
+
+Activation memory is what autograd saves in the forward for the backward. Counting it with
+`torch.autograd.graph.saved_tensors_hooks` works the same on CPU and GPU, unlike allocator
+statistics, and tells stages apart even when they share a device (CPU stage threads).
+
+Saved-tensor hooks are per thread and a stage runs on its own thread, so they are
+installed around each call of the stage module (forward hooks), which also catches the
+forward that a checkpointed stage replays before its backward. What they do not see:
+the stage *inputs* a checkpointed stage keeps for that replay (one tensor per micro-batch),
+and whatever the loss function saves on the last stage, which runs outside its module.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+_Key = tuple[int, int]   # (data pointer, bytes) of a saved tensor
+
+
+class _Held:
+    """What autograd stores instead of a saved tensor. The graph drops it when the
+    backward frees the saved tensors, and that is when the bytes stop counting."""
+
+    def __init__(self, tensor: Tensor, release: Callable[[], None]):
+        self.tensor = tensor
+        self._release = release
+
+    def __del__(self) -> None:
+        self._release()
+
+
+class SavedActivations:
+    """Bytes of saved activations per stage: now, over time, and at the peak.
+
+    ``with SavedActivations(pipe.partitions) as saved: pipe.step(...)``; then
+    ``saved.peak[s]`` is stage s's largest total and ``saved.history[s]`` the
+    ``(seconds since entering, bytes)`` after every change. A tensor saved by several
+    layers (a ReLU output that the next Linear saves too) counts once; parameters and
+    buffers are model state, not activations, and do not count.
+    """
+
+    def __init__(self, stages: Sequence[nn.Module]):
+        self.stages = list(stages)
+        self.held = [0] * len(self.stages)
+        self.peak = [0] * len(self.stages)
+        self.history: list[list[tuple[float, int]]] = [[] for _ in self.stages]
+        self._counts: list[dict[_Key, int]] = [{} for _ in self.stages]
+        self._lock = threading.RLock()   # a release can run inside a pack on any thread
+        self._active = threading.local()
+        self._handles: list[Any] = []
+        self._t0: float | None = None
+
+    def __enter__(self) -> "SavedActivations":
+        if self._t0 is not None:
+            raise RuntimeError("a SavedActivations measures once (its history starts when "
+                               "it is entered); create a new one for each measurement")
+        self._t0 = time.perf_counter()
+        for s, module in enumerate(self.stages):
+            model_state = {t.untyped_storage().data_ptr()
+                           for t in [*module.parameters(), *module.buffers()]}
+            self._handles.append(
+                module.register_forward_pre_hook(self._enter_hooks(s, model_state)))
+            self._handles.append(
+                module.register_forward_hook(self._exit_hooks, always_call=True))
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _change(self, stage: int, key: _Key, nbytes: int, delta: int) -> None:
+        """Count a tensor when its first saver appears and uncount it when its last goes."""
+        with self._lock:
+            counts = self._counts[stage]
+            before = counts.pop(key, 0)
+            now = before + delta
+            if now:
+                counts[key] = now
+            if before == 0 or now == 0:
+                self.held[stage] += nbytes * delta
+                self.peak[stage] = max(self.peak[stage], self.held[stage])
+                self.history[stage].append((time.perf_counter() - self._t0,
+                                            self.held[stage]))
+
+    def _enter_hooks(self, stage: int, model_state: set[int]) -> Callable[..., None]:
+        """A forward pre-hook that starts counting what ``stage`` saves, on this thread."""
+        def pack(tensor: Tensor) -> Any:
+            if tensor.untyped_storage().data_ptr() in model_state:
+                return tensor
+            key, nbytes = (tensor.data_ptr(), tensor.nbytes), tensor.nbytes
+            self._change(stage, key, nbytes, +1)
+            return _Held(tensor, lambda: self._change(stage, key, nbytes, -1))
+
+        def unpack(packed: Any) -> Tensor:
+            return packed.tensor if isinstance(packed, _Held) else packed
+
+        def pre_hook(module: nn.Module, args: Any) -> None:
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+            hooks.__enter__()
+            self._stack().append(hooks)
+        return pre_hook
+
+    def _exit_hooks(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._stack().pop().__exit__(None, None, None)
+
+    def _stack(self) -> list:
+        """The hooks this thread has entered: stage threads measure independently."""
+        if not hasattr(self._active, "stack"):
+            self._active.stack = []
+        return self._active.stack
