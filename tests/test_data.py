@@ -1,4 +1,3 @@
-import os
 import shutil
 import subprocess
 import urllib.error
@@ -20,15 +19,7 @@ from pipeline_lib.data import (
 )
 from pipeline_lib.tokenizer import Vocab, basic_english
 
-MINI = Path(
-    os.environ.get("PIPELINE_LIB_DATA")
-    or Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext-2-mini"
-)
-needs_mini = pytest.mark.skipif(
-    not (MINI / "train.txt").is_file(),
-    reason=f"WikiText-2 mini copy not found at {MINI}; set PIPELINE_LIB_DATA to a folder "
-    "with train.txt, valid.txt and test.txt",
-)
+from conftest import MINI, needs_mini
 
 
 @pytest.fixture(scope="module")

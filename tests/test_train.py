@@ -1,6 +1,4 @@
 import math
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -9,10 +7,8 @@ from pipeline_lib.data import batchify, load_wikitext2
 from pipeline_lib.models import transformer_lm
 from pipeline_lib.train import evaluate, lm_loss, make_step, seed_everything, train, train_epoch
 
-MINI = Path(
-    os.environ.get("PIPELINE_LIB_DATA")
-    or Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext-2-mini"
-)
+from conftest import MINI, needs_mini
+
 V = 50
 TINY = dict(d_model=16, nhead=2, d_hid=32, nlayers=2)
 
@@ -116,8 +112,7 @@ def test_train_is_reproducible():
         assert a.valid_ppl == pytest.approx(math.exp(a.valid_loss))
 
 
-@pytest.mark.skipif(not (MINI / "train.txt").is_file(), reason=f"WikiText-2 mini copy not found "
-                    f"at {MINI}; set PIPELINE_LIB_DATA to a folder with train/valid/test.txt")
+@needs_mini
 def test_cpu_preset_learns_on_mini_wikitext2():
     ds = load_wikitext2(MINI)
     seed_everything(0)
