@@ -24,7 +24,8 @@ from .threaded import Mailbox, run_programs
 from .timeline import Timeline
 
 
-def _partition(module: nn.Sequential, balance: Sequence[int] | None) -> list[nn.Module]:
+def group_layers(module: nn.Sequential, balance: Sequence[int] | None) -> list[nn.Module]:
+    """Stages from consecutive layers: ``balance[k]`` layers in stage k, or one child each."""
     layers = list(module.children())
     if balance is None:
         return layers
@@ -82,7 +83,7 @@ class Pipe(nn.Module):
         self.checkpoint = check_mode(checkpoint)
         if deferred_batch_norm:
             DeferredBatchNorm.convert(module, chunks)
-        stages = _partition(module, balance)
+        stages = group_layers(module, balance)
         stage_of_layer = [s for s, count in enumerate(balance or [1] * len(stages))
                           for _ in range(count)]
         self.skip_routes = skip_routes(module, stage_of_layer)

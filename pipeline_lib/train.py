@@ -235,7 +235,7 @@ def train(
 # used without torch.distributed, and this is the only part that needs it.
 
 
-def _parse_args(argv: list[str] | None):
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     import argparse
 
     from pipeline_lib.schedules import BUILDERS
@@ -270,7 +270,7 @@ def _parse_args(argv: list[str] | None):
     return parser.parse_args(argv)
 
 
-def _training_tokens(args, rank: int) -> tuple[torch.Tensor, int]:
+def _training_tokens(args: argparse.Namespace, rank: int) -> tuple[torch.Tensor, int]:
     """``[batch, n]`` token ids, the same on every rank, and the vocabulary size."""
     import torch.distributed as dist
 

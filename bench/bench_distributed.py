@@ -1,0 +1,249 @@
+"""Multi-process pipeline throughput on CPU: pipeline_lib.distributed next to
+torch.distributed.pipelining and plain sequential training, same model, data and weights.
+
+    python bench/bench_distributed.py            # headline model (minutes; quiet machine)
+    python bench/bench_distributed.py --quick    # small model, smoke test
+
+Two ranks with one intra-op thread each (torchrun, gloo), against one process with one and
+with two threads. One step is the forward and backward of the global batch, between
+barriers. For each micro-batch count m, t_s is the measured forward + backward time of one
+micro-batch on stage s (from pipeline_lib's own timelines), and the ideal fill-drain step
+takes Σt_s + (m-1)·max t_s; "of ideal" is that over the measured step time.
+Prints one JSON object per run, then a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline_lib.distributed import DistributedPipe
+from pipeline_lib.mesh import Mesh, init_mesh, process_group
+from pipeline_lib.models import transformer_lm
+from pipeline_lib.partition import balance_by_time
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab: int
+    d_model: int
+    layers: int
+    heads: int
+    ff: int
+    seq: int
+    batch: int
+
+
+HEADLINE = Config(vocab=10000, d_model=512, layers=8, heads=8, ff=2048, seq=64, batch=32)
+QUICK = Config(vocab=1000, d_model=64, layers=4, heads=4, ff=128, seq=16, batch=16)
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B"}
+
+
+def build(config: Config) -> nn.Sequential:
+    torch.manual_seed(0)
+    return transformer_lm(config.vocab, d_model=config.d_model, nhead=config.heads,
+                          d_hid=config.ff, nlayers=config.layers, dropout=0.0)
+
+
+def batch(config: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, config.vocab, (config.batch, config.seq + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+# -- one process ---------------------------------------------------------------------
+
+def sequential(config: Config, threads: int, warmup: int, steps: int) -> float:
+    """Median seconds per forward + backward of the whole batch in one process."""
+    torch.set_num_threads(threads)
+    model, (inputs, target) = build(config), batch(config)
+    times = []
+    for _ in range(warmup + steps):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        lm_loss(model(inputs), target).backward()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[warmup:])
+
+
+# -- two ranks (torchrun runs this file with --worker) ----------------------------------
+
+def timed_steps(step, zero_grad, warmup: int, steps: int, after=None) -> list[float]:
+    """Seconds per step between barriers, so every rank has finished its part."""
+    times = []
+    for k in range(warmup + steps):
+        zero_grad()
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+        if after is not None and k >= warmup:
+            after()
+    return times[warmup:]
+
+
+def ours(config: Config, balance: list[int], schedule: str, m: int, warmup: int,
+         steps: int, mesh: Mesh) -> tuple[list[float], list[float] | None]:
+    """Step times, and (on rank 1, which gathers the timelines) the mean forward +
+    backward time of one micro-batch on each stage."""
+    pipe = DistributedPipe(build(config), mesh, balance, m, schedule)
+    inputs, target = batch(config)
+    params = list(pipe.parameters())
+    durations: dict[tuple[int, str], list[float]] = {}
+
+    def record() -> None:
+        timeline = pipe.gather_timeline(dst=1)
+        for e in timeline.events if timeline is not None else []:
+            durations.setdefault((e.action.stage, e.action.kind), []).append(e.duration)
+
+    def zero_grad() -> None:
+        for p in params:
+            p.grad = None
+
+    times = timed_steps(lambda: pipe.step(inputs, target, lm_loss), zero_grad, warmup,
+                        steps, after=record)
+    if not durations:
+        return times, None
+    return times, [statistics.mean(durations[(s, "F")]) + statistics.mean(durations[(s, "B")])
+                   for s in range(len(balance))]
+
+
+def torch_pipelining(config: Config, balance: list[int], schedule: str, m: int,
+                     warmup: int, steps: int, rank: int) -> list[float]:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    layers = list(build(config).children())
+    start = sum(balance[:rank])
+    module = nn.Sequential(*layers[start:start + balance[rank]])
+    stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    runner = kind(stage, n_microbatches=m, loss_fn=lm_loss)
+    inputs, target = batch(config)
+
+    def step() -> None:
+        if rank == 0:
+            runner.step(inputs)
+        else:
+            runner.step(target=target, losses=[], return_outputs=False)
+
+    return timed_steps(step, lambda: module.zero_grad(set_to_none=True), warmup, steps)
+
+
+def worker(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    config = Config(**json.loads(args.config))
+    balance = [int(b) for b in args.balance.split(",")]
+    results = []
+    with process_group(backend="gloo", timeout=600):
+        mesh = init_mesh(pp=2)
+        for m in args.microbatches:
+            for schedule in SCHEDULES:
+                times, stage_times = ours(config, balance, schedule, m, args.warmup,
+                                          args.steps, mesh)
+                results.append(dict(impl="pipeline_lib", schedule=schedule, m=m,
+                                    step_s=statistics.median(times), stage_s=stage_times))
+                times = torch_pipelining(config, balance, schedule, m, args.warmup,
+                                         args.steps, mesh.rank)
+                results.append(dict(impl="torch.pipelining", schedule=schedule, m=m,
+                                    step_s=statistics.median(times)))
+        if mesh.rank == 1:
+            Path(args.out).write_text(json.dumps(results))
+
+
+# -- the driver --------------------------------------------------------------------------
+
+def launch_ranks(config: Config, balance: list[int], args: argparse.Namespace) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ranks.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc_per_node", "2", __file__, "--worker",
+                   "--config", json.dumps(asdict(config)),
+                   "--balance", ",".join(map(str, balance)), "--out", str(out),
+                   "--warmup", str(args.warmup), "--steps", str(args.steps),
+                   "--microbatches", *map(str, args.microbatches)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run(command, check=True, env=env)
+        return json.loads(out.read_text())
+
+
+def ideal_step(stage_s: list[float], m: int) -> float:
+    return sum(stage_s) + (m - 1) * max(stage_s)
+
+
+def report(config: Config, balance: list[int], seq1: float, seq2: float,
+           runs: list[dict]) -> None:
+    tokens = config.batch * config.seq
+    stage_s = {r["m"]: r["stage_s"] for r in runs if r["impl"] == "pipeline_lib"}
+    torch_step = {(r["schedule"], r["m"]): r["step_s"] for r in runs
+                  if r["impl"] == "torch.pipelining"}
+    rows = [dict(run="sequential, 1 thread", step_s=seq1),
+            dict(run="sequential, 2 threads", step_s=seq2)]
+    for r in runs:
+        ideal = ideal_step(stage_s[r["m"]], r["m"])
+        rows.append(dict(run=f"{r['impl']} {SCHEDULES[r['schedule']]}", m=r["m"],
+                         step_s=r["step_s"],
+                         vs_torch_pipelining=torch_step[(r["schedule"], r["m"])] / r["step_s"],
+                         fraction_of_ideal=ideal / r["step_s"],
+                         ideal_speedup=r["m"] * sum(stage_s[r["m"]]) / ideal,
+                         stage_s=stage_s[r["m"]]))
+    for row in rows:
+        row["tokens_per_s"] = tokens / row["step_s"]
+        print(json.dumps({**row, "balance": balance, "config": asdict(config)}))
+
+    print(f"\n{config}, stages {balance} (balance_by_time), 2 ranks x 1 thread on CPU")
+    print(f"{'run':<30} {'m':>3} {'tokens/s':>10} {'step s':>8} {'vs torch':>9} {'of ideal':>9}")
+    for row in rows:
+        m = row.get("m", "")
+        versus = f"{row['vs_torch_pipelining']:.2f}x" if "m" in row else ""
+        ideal = f"{row['fraction_of_ideal']:.0%}" if "m" in row else ""
+        print(f"{row['run']:<30} {m:>3} {row['tokens_per_s']:>10.0f} {row['step_s']:>8.3f} "
+              f"{versus:>9} {ideal:>9}")
+    speedups = ", ".join(f"m={m}: {m * sum(s) / ideal_step(s, m):.2f}x (stages "
+                         f"{', '.join(f'{t:.3f}' for t in s)} s)" for m, s in stage_s.items())
+    print(f"Ideal fill-drain speedup over one rank, m·Σt_s / (Σt_s + (m-1)·max t_s) "
+          f"(p·m/(m+p-1) for equal stages): {speedups}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small model, few steps")
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--balance", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    config = QUICK if args.quick else HEADLINE
+    args.warmup = args.warmup if args.warmup is not None else 1
+    args.steps = args.steps if args.steps is not None else (2 if args.quick else 4)
+    torch.set_num_threads(1)
+    sample = batch(config)[0][:config.batch // max(args.microbatches)]
+    balance = balance_by_time(build(config), sample, 2)
+    seq1 = sequential(config, 1, args.warmup, args.steps)
+    seq2 = sequential(config, 2, args.warmup, args.steps)
+    report(config, balance, seq1, seq2, launch_ranks(config, balance, args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""Pipeline parallelism across processes: the schedules the simulator draws, run by torchrun.
+
+One process per pipeline rank. Rank ``r`` holds every stage ``s`` with ``s % pp == r``
+(``v`` of them for interleaved 1F1B) and runs ``schedule.actions[r]`` in order, driving a
+`StageRunner` per stage exactly as the threaded `Pipe.step` does: same loss scaling
+(`microbatch.loss_weights`), same dropout seeds per (stage, micro-batch). Only the way
+activations and gradients travel differs, and that is the lesson of this module.
+
+Every process runs the same script under torchrun (``torchrun --nproc_per_node 4 -m
+pipeline_lib.train --pp 2 --dp 2`` trains the Transformer LM)::
+
+    with process_group():                       # see `pipeline_lib.mesh`
+        mesh = init_mesh(pp=2, dp=2)
+        pipe = DistributedPipe(build_model(), mesh, balance=[5, 5], chunks=8)
+        optimizer = torch.optim.AdamW(pipe.parameters())
+        for inputs, targets in batches:         # the same global batches on every rank
+            optimizer.zero_grad()
+            loss = pipe.step(inputs, targets, loss_fn)   # None except on the last stage
+            optimizer.step()
+
+Moving tensors between ranks
+----------------------------
+The tempting code posts each action's sends and receives together with
+``dist.batch_isend_irecv`` and waits for all of them. That hangs on gloo, and it makes a
+rank wait for its *sends*, i.e. for its neighbour to be ready to receive: the very idling
+a schedule is designed to avoid. Instead, with plain ``isend``/``irecv`` on gloo and NCCL:
+
+1. **Sends never wait.** A forward's output leaves with ``isend`` and the rank moves on to
+   its next action. The handles and buffers are kept, and waited for when the step ends:
+   one boundary tensor per micro-batch, little next to what a stage keeps for its backward.
+2. **Receives are the only waits**, and a rank receives only what its next action needs.
+3. **NCCL matches sends to receives by order, not by tag**, one operation after another
+   on one stream per communicator. Two consequences:
+
+   a. *One process group per direction.* If rank 0's activations to rank 1 and rank 1's
+      gradients to rank 0 shared a communicator, rank 0 could queue [send activation,
+      receive gradient] while rank 1 queues [send gradient, receive activation]: each
+      send waits for a receive queued behind the other send, forever. So each pair of
+      neighbours gets two 2-rank groups: everything ``a`` sends to ``b`` goes through one,
+      everything ``b`` sends to ``a`` through the other (`mesh.Mesh.link`). A send and a
+      receive in opposite directions never queue behind each other.
+   b. *Receive in the sender's order.* Within one group, the k-th receive gets the k-th
+      send. Every rank knows every rank's program, so it computes the exact sequence of
+      messages a peer will send it (`p2p.send_order`). When an action needs a message,
+      the rank receives that peer's messages in this order until it has the one it needs,
+      and keeps earlier ones for the actions that need them later. In the built-in
+      schedules messages happen to be needed in the order they are sent; a `Schedule` that
+      consumes them in another order (rank 0 running ``0B1`` before ``0B0`` while rank 1
+      sends the gradient of micro-batch 0 first) still works, by buffering.
+
+   Since senders never wait, receiving a message early or buffering it never blocks
+   anybody: a valid schedule cannot deadlock. Each message opens with a small header (which
+   message it is, and each tensor's dtype and shape), so the receiver allocates exactly what
+   comes, shapes may change from one micro-batch to the next, and a rank that is not running
+   the same program is caught at its first message rather than filling a buffer with garbage.
+
+Data parallelism
+----------------
+With ``dp > 1`` replicas (`mesh` explains the layout), each stage module is wrapped in
+PyTorch's `DistributedDataParallel` over the ranks holding the same stage, and each replica
+trains on its slice of the global batch. DDP all-reduces the gradients during the backward
+that follows a forward run with gradient sync on, but a pipeline runs other micro-batches'
+backwards between a forward and its own backward. So, like torch.distributed.pipelining,
+everything runs under ``no_sync()`` (gradients accumulate locally) and the reducer is armed
+(``reducer.prepare_for_backward``) right before the last action that computes the stage's
+weight gradients: its last B, or its last W for zero-bubble schedules, whose I computes
+input gradients only and fires no DDP hook. That one backward then all-reduces, bucket by
+bucket, overlapped with the rest of it. DDP averages over replicas, so each replica scales
+its micro-batch losses by ``dp`` on top of the global-batch `loss_weights`: the average of
+the replicas' gradients is then exactly the gradient of the global batch's mean loss.
+
+Timelines
+---------
+Every rank records when each of its actions ran, on a clock started at a barrier common to
+all ranks. `DistributedPipe.gather_timeline` collects them on one rank as the same `Timeline`
+the simulator returns, so a run is drawn and its bubble compared with one function.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .checkpoint import check_mode
+from .devices import transfer
+from .mesh import Mesh
+from .microbatch import loss_weights, split
+from .p2p import Message, Transport, describe
+from .pipe import group_layers
+from .rng import new_step_seed, seed_for
+from .schedules import Action, Schedule, build, splits_backward, validate
+from .skip import skip_routes
+from .stage import LossFn, StageRunner
+from .timeline import Event, Timeline, simulate
+
+
+def plan(schedule: str | Schedule, pp: int, stages: int, microbatches: int) -> Schedule:
+    """The schedule for ``stages`` stages on ``pp`` ranks: built by name (interleaved 1F1B
+    puts ``stages // pp`` on each rank), or checked against the sizes if given."""
+    if isinstance(schedule, str):
+        if schedule == "interleaved_1f1b":
+            if stages % pp:
+                raise ValueError(f"interleaved_1f1b puts the same number of stages on every "
+                                 f"rank: {stages} stages on {pp} ranks do not divide; give a "
+                                 f"balance with a multiple of {pp} entries")
+            schedule = build(schedule, pp, microbatches, virtual_stages=stages // pp)
+        elif stages != pp:
+            raise ValueError(f"{schedule} runs one stage per rank: the balance has {stages} "
+                             f"stages for {pp} pipeline ranks; give {pp} entries (or use "
+                             f"interleaved_1f1b for several stages per rank)")
+        else:
+            schedule = build(schedule, pp, microbatches)
+    if (schedule.ranks, schedule.stages, schedule.microbatches) != (pp, stages, microbatches):
+        raise ValueError(f"schedule {schedule.name!r} is for {schedule.ranks} ranks, "
+                         f"{schedule.stages} stages and {schedule.microbatches} micro-batches, "
+                         f"not {pp} ranks, {stages} stages and {microbatches} micro-batches")
+    validate(schedule)
+    return schedule
+
+
+class DistributedPipe:
+    """This rank's share of a pipeline: its stages, and one `step` of the schedule.
+
+    Every rank builds the same ``module`` (seed before building it) and passes the same
+    arguments; each keeps only the stages of ``balance`` that live on it (stage ``s`` on
+    pipe rank ``s % pp``), moved to ``mesh.device``. ``schedule`` is a name of
+    `schedules.BUILDERS` or a `Schedule` for ``mesh.pp`` ranks.
+    """
+
+    def __init__(self, module: nn.Sequential, mesh: Mesh, balance: Sequence[int],
+                 chunks: int, schedule: str | Schedule = "1f1b", checkpoint: str = "never"):
+        stages = group_layers(module, balance)
+        layer_stage = [s for s, count in enumerate(balance) for _ in range(count)]
+        crossing = skip_routes(module, layer_stage)
+        if crossing:
+            raise NotImplementedError(
+                f"skip connections between stages ({crossing}) are not sent between "
+                f"processes yet; choose a balance that keeps each within one stage, or use Pipe")
+        self.mesh, self.checkpoint = mesh, check_mode(checkpoint)
+        self.schedule = plan(schedule, mesh.pp, len(stages), chunks)
+        _check_same_everywhere(dict(schedule=self.schedule.name, grid=self.schedule.grid(),
+                                    pp=mesh.pp, dp=mesh.dp, balance=list(balance),
+                                    checkpoint=checkpoint))
+        self.program = self.schedule.actions[mesh.pipe_rank]
+        self.modules = {s: self._replicated(stages[s].to(mesh.device))
+                        for s in range(len(stages)) if self.schedule.rank_of(s) == mesh.pipe_rank}
+        # Per replicated stage, the backward whose weight gradients DDP all-reduces: the
+        # stage's last B (or W), when every micro-batch's gradients have accumulated.
+        self.sync_at = {a.stage: a for a in self.program if a.kind in ("B", "W")
+                        and isinstance(self.modules[a.stage], DistributedDataParallel)}
+        self.transport = Transport(mesh, self.schedule)
+        self.events: list[Event] = []
+
+    def _replicated(self, stage: nn.Module) -> nn.Module:
+        if self.mesh.dp == 1 or not any(p.requires_grad for p in stage.parameters()):
+            return stage
+        cuda = self.mesh.device.type == "cuda"
+        # Buffers are made equal once, at construction; syncing them on every forward
+        # would be one more collective per micro-batch.
+        return DistributedDataParallel(stage, device_ids=[self.mesh.device] if cuda else None,
+                                       process_group=self.mesh.dp_group,
+                                       forward_sync_buffers=False)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters (for its optimizer)."""
+        for module in self.modules.values():
+            yield from module.parameters()
+
+    # -- one step ------------------------------------------------------------------------
+
+    def step(self, inputs: Any, target: Any, loss_fn: LossFn) -> Tensor | None:
+        """Forward and backward of the global batch ``(inputs, target)`` (the same on every
+        rank: each replica takes its slice, stage 0 reads the inputs, the last stage the
+        targets). Gradients accumulate as in `Pipe.step`; returns the global batch's loss
+        on the ranks holding the last stage, None on the others."""
+        schedule, mesh = self.schedule, self.mesh
+        micro_in, micro_target, weights = self._split(inputs, target)
+        step_seed = self._step_seed()
+        last = schedule.stages - 1
+        runners = {s: StageRunner(s, module, mesh.device, self.checkpoint,
+                                  schedule.microbatches, step_seed,
+                                  loss_fn=loss_fn if s == last else None,
+                                  loss_weights=weights, first=s == 0)
+                   for s, module in self.modules.items()}
+        self.events = []
+        with contextlib.ExitStack() as no_sync:
+            for module in self.modules.values():
+                if isinstance(module, DistributedDataParallel):
+                    no_sync.enter_context(module.no_sync())
+            for action in self.program:
+                try:
+                    received = self._receive(action, micro_in)
+                    start = mesh.clock()   # an event spans the compute: waiting is idle
+                    self._compute(action, runners[action.stage], received, micro_target)
+                except Exception as exc:
+                    exc.add_note(f"on rank {mesh.rank} (replica {mesh.replica}, pipe rank "
+                                 f"{mesh.pipe_rank}) running {action} of {schedule.name}")
+                    raise
+                if mesh.device.type == "cuda":   # time the work, not its launch
+                    torch.cuda.current_stream().synchronize()
+                self.events.append(Event(mesh.rank, action, start, mesh.clock()))
+        self.transport.finish_step()
+        return self._loss(runners.get(last))
+
+    def _split(self, inputs: Any, target: Any) -> tuple[list[Any], list[Any], list[float]]:
+        """This replica's micro-batches and their loss weights (see the module docstring)."""
+        dp, m, replica = self.mesh.dp, self.schedule.microbatches, self.mesh.replica
+        try:
+            replica_inputs, replica_targets = split(inputs, dp), split(target, dp)
+        except ValueError as exc:
+            exc.add_note(f"while splitting the global batch among {dp} data-parallel replicas")
+            raise
+        targets = [split(t, m) for t in replica_targets]
+        weights = loss_weights([t for replica_micro in targets for t in replica_micro])
+        mine = [w * dp for w in weights[replica * m:(replica + 1) * m]]
+        return split(replica_inputs[replica], m), targets[replica], mine
+
+    def _step_seed(self) -> int:
+        """Rank 0's draw, so dropout agrees across stages even if the ranks' random
+        generators have drifted apart. Replica 0 uses it as is, like `Pipe.step`; the
+        others derive their own, for dropout masks independent of replica 0's."""
+        seed = torch.tensor([new_step_seed()], dtype=torch.int64, device=self.mesh.device)
+        dist.broadcast(seed, src=0)
+        step_seed = int(seed.item())
+        return step_seed if self.mesh.replica == 0 else seed_for(step_seed, -1, self.mesh.replica)
+
+    def _receive(self, action: Action, micro_in: list[Any]) -> Any:
+        """What the action consumes: its input (F) or output gradient (B, I)."""
+        s, i, last = action.stage, action.microbatch, self.schedule.stages - 1
+        if action.kind == "F":
+            if s == 0:
+                return transfer(micro_in[i], self.mesh.device)
+            return self.transport.receive(self.schedule.rank_of(s - 1), Message("activation", s, i))
+        if action.kind in ("B", "I") and s < last:
+            return self.transport.receive(self.schedule.rank_of(s + 1), Message("gradient", s, i))
+        return None
+
+    def _compute(self, action: Action, runner: StageRunner, received: Any,
+                 micro_target: list[Any]) -> None:
+        """Run the action and send its result on."""
+        s, i, kind = action.stage, action.microbatch, action.kind
+        rank_of, last = self.schedule.rank_of, self.schedule.stages - 1
+        if kind == "F":
+            target = transfer(micro_target[i], self.mesh.device) if s == last else None
+            try:
+                y = runner.forward(i, received, target)
+            except Exception as exc:
+                if s > 0:
+                    exc.add_note(f"stage {s}'s input for micro-batch {i}, from stage {s - 1} "
+                                 f"on pipe rank {rank_of(s - 1)}, was {describe(received)}")
+                raise
+            if s < last:
+                self.transport.send(rank_of(s + 1), Message("activation", s + 1, i), y)
+            return
+        if self.sync_at.get(s) == action:   # this backward all-reduces the stage's gradients
+            self.modules[s].reducer.prepare_for_backward([])
+        if kind == "W":
+            runner.backward_weight(i)
+            return
+        backward = runner.backward if kind == "B" else runner.backward_input
+        grad_in = backward(i, received)
+        if s > 0:
+            self.transport.send(rank_of(s - 1), Message("gradient", s - 1, i), grad_in)
+
+    def _loss(self, runner: StageRunner | None) -> Tensor | None:
+        if runner is None:
+            return None
+        losses = runner.losses
+        loss = torch.stack([losses[i] for i in range(self.schedule.microbatches)]).sum()
+        if self.mesh.dp > 1:   # undo the dp scaling of the weights, sum over replicas
+            loss = loss / self.mesh.dp
+            dist.all_reduce(loss, group=self.mesh.dp_group)
+        return loss
+
+    # -- timelines -----------------------------------------------------------------------
+
+    def gather_timeline(self, dst: int = 0) -> Timeline | None:
+        """The last step's actions of every rank, as one `Timeline` on global rank ``dst``
+        (None elsewhere); rows are global ranks. Every rank must call it."""
+        gathered: list[list[Event]] | None = [[] for _ in range(dist.get_world_size())] \
+            if self.mesh.rank == dst else None
+        dist.gather_object(self.events, gathered, dst=dst)
+        if gathered is None:
+            return None
+        events = sorted((e for rank_events in gathered for e in rank_events),
+                        key=lambda e: (e.start, e.rank))
+        title = f"{self.schedule.name}, {self.mesh.pp} processes"
+        if self.mesh.dp > 1:
+            title += f" × {self.mesh.dp} replicas"
+        return Timeline(len(gathered), events, unit="s", title=title).shifted()
+
+
+def simulate_measured(schedule: Schedule, timeline: Timeline) -> Timeline:
+    """The simulator fed this run's mean time per (stage, action kind): what the schedule
+    would do on these stages with free communication and no overhead. Its bubble is the
+    one a measured run should approach."""
+    durations: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for e in timeline.events:
+        durations[(e.action.stage, e.action.kind)].append(e.duration)
+
+    def mean(kind: str) -> list[float]:
+        missing = [s for s in range(schedule.stages) if not durations[(s, kind)]]
+        if missing:
+            raise ValueError(f"the timeline has no {kind} action on stages {missing}: it is "
+                             f"not a run of {schedule.name} with {schedule.stages} stages")
+        return [sum(d) / len(d) for d in (durations[(s, kind)] for s in range(schedule.stages))]
+
+    if splits_backward(schedule):
+        weight = mean("W")
+        backward = [i + w for i, w in zip(mean("I"), weight)]
+        return simulate(schedule, mean("F"), backward, weight)
+    return simulate(schedule, mean("F"), mean("B"))
+
+
+def _check_same_everywhere(config: dict) -> None:
+    """Ranks that disagree about the pipeline would wait for messages that never come."""
+    configs: list[dict | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(configs, config)
+    differ = [r for r, c in enumerate(configs) if c != configs[0]]
+    if differ:
+        raise ValueError("the ranks were given different pipelines: rank 0 has "
+                         f"{configs[0]}; " + "; ".join(f"rank {r} has {configs[r]}"
+                                                       for r in differ))

@@ -1,0 +1,141 @@
+"""One rank of the multi-process tests; `test_distributed.py` launches it with torchrun.
+
+``--scenario schedules --meshes 4x1,2x2 --out DIR``: for each ``pp x dp`` mesh, one step
+of every schedule (and of 1F1B recomputing every micro-batch, and with dropout) on a tiny
+Transformer LM, saving each rank's loss, gradients (by the full model's parameter names)
+and parameters after one SGD step, and rank 0's timeline.
+``raise`` and ``mismatch`` fail on pipe rank 1, to check that every rank stops: in
+``raise``, rank 0 is then in the middle of a 2-minute forward, which only its watchdog
+can interrupt.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline_lib.distributed import DistributedPipe
+from pipeline_lib.mesh import init_mesh, process_group
+from pipeline_lib.models import transformer_lm
+from pipeline_lib.schedules import Action, Schedule
+
+VOCAB, ROWS, SEQ, MICROBATCHES, LR, DROPOUT = 50, 10, 6, 4, 0.1, 0.2
+SLEEP = 120   # seconds: far longer than the test lets a failed run take
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "reordered", "1f1b-recompute",
+             "1f1b-dropout"]
+ONLY_ON = {"reordered": "2x1", "1f1b-dropout": "x1"}   # meshes (suffixes) they run on
+
+
+def tiny_lm(dropout: float = 0.0) -> nn.Sequential:
+    """8 layers: embedding, 6 blocks, decoder, so 8 stages fit on 4 ranks × 2."""
+    torch.manual_seed(0)
+    return transformer_lm(VOCAB, d_model=16, nhead=2, d_hid=32, nlayers=6, dropout=dropout)
+
+
+def runs_on(mesh: str, name: str) -> bool:
+    return mesh.endswith(ONLY_ON.get(name, ""))
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """10 rows: uneven micro-batches (3, 3, 2, 2) exercise the loss weights."""
+    g = torch.Generator().manual_seed(1)
+    return (torch.randint(0, VOCAB, (ROWS, SEQ), generator=g),
+            torch.randint(0, VOCAB, (ROWS, SEQ), generator=g))
+
+
+def token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def reordered(m: int) -> Schedule:
+    """GPipe on 2 ranks, but rank 0 runs its backwards last micro-batch first while rank 1
+    sends their gradients first micro-batch first: rank 0 must buffer early arrivals."""
+    return Schedule("reordered", 2, m, [
+        [Action(0, "F", i) for i in range(m)] + [Action(0, "B", i) for i in reversed(range(m))],
+        [Action(1, "F", i) for i in range(m)] + [Action(1, "B", i) for i in range(m)]])
+
+
+def run_schedules(meshes: list[tuple[int, int]], out: Path) -> None:
+    inputs, target = batch()
+    for pp, dp in meshes:
+        mesh = init_mesh(pp, dp, timeout=60)
+        for name in SCHEDULES:
+            if not runs_on(f"{pp}x{dp}", name):
+                continue
+            model = tiny_lm(DROPOUT if name == "1f1b-dropout" else 0.0)
+            names = {id(p): n for n, p in model.named_parameters()}
+            stages = 2 * pp if name == "interleaved_1f1b" else pp
+            balance = [len(model) // stages] * stages
+            schedule = reordered(MICROBATCHES) if name == "reordered" else name.split("-")[0]
+            checkpoint = "always" if name == "1f1b-recompute" else "never"
+            pipe = DistributedPipe(model, mesh, balance, MICROBATCHES, schedule, checkpoint)
+            loss = pipe.step(inputs, target, token_loss)
+            params = list(pipe.parameters())
+            grads = {names[id(p)]: p.grad.clone() for p in params}
+            torch.optim.SGD(params, lr=LR).step()
+            tag = f"{pp}x{dp}-{name}"
+            torch.save({"loss": None if loss is None else loss.item(), "grads": grads,
+                        "params": {names[id(p)]: p.detach().clone() for p in params}},
+                       out / f"{tag}-rank{mesh.rank}.pt")
+            timeline = pipe.gather_timeline()
+            if timeline is not None:
+                record = {"timeline": timeline.to_dict(),
+                          "programs": [[str(a) for a in p] for p in pipe.schedule.actions]}
+                (out / f"{tag}-timeline.json").write_text(json.dumps(record))
+
+
+class Hiccup(nn.Module):
+    """Passes its input through, and calls ``event`` on its ``call``-th forward."""
+
+    def __init__(self, call: int, event: Callable[[], None]) -> None:
+        super().__init__()
+        self.call, self.event, self.calls = call, event, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.call:
+            self.event()
+        return x
+
+
+def boom() -> None:
+    raise RuntimeError("boom: injected failure")
+
+
+def run_failing(scenario: str) -> None:
+    mesh = init_mesh(2, timeout=60)
+    torch.manual_seed(0)
+    if scenario == "raise":   # rank 1 fails while rank 0 is busy in a long forward
+        model = nn.Sequential(nn.Linear(8, 8), Hiccup(3, lambda: time.sleep(SLEEP)),
+                              nn.Linear(8, 4), Hiccup(2, boom))
+        balance = [2, 2]
+    else:  # stage 0 produces 16 features, stage 1 expects 12
+        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(12, 4))
+        balance = [1, 1]
+    pipe = DistributedPipe(model, mesh, balance, MICROBATCHES, "gpipe")
+    pipe.step(torch.randn(8, 8), torch.randn(8, 4), F.mse_loss)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--scenario", choices=["schedules", "raise", "mismatch"])
+    parser.add_argument("--meshes", default="2x1", help="pp x dp meshes, comma-separated")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with process_group(backend="gloo", timeout=60):
+        if args.scenario == "schedules":
+            meshes = [tuple(int(n) for n in m.split("x")) for m in args.meshes.split(",")]
+            run_schedules(meshes, args.out)
+        else:
+            run_failing(args.scenario)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""The multi-process pipeline computes what one process computes, and fails loudly.
+
+Processes are real: torchrun launches `dist_worker.py` on gloo. Each launch runs every
+schedule once and saves what each rank computed; the tests compare it with unpipelined
+training in this process. Four launches in all (2 and 4 processes, two failures).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import dist_worker as worker
+from pipeline_lib import Pipe
+from pipeline_lib.distributed import plan, simulate_measured
+from pipeline_lib.p2p import send_order
+from pipeline_lib.schedules import build
+from pipeline_lib.timeline import Timeline, simulate
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH_TIMEOUT = 150
+CASES = [(mesh, name) for mesh in ("2x1", "4x1", "2x2") for name in worker.SCHEDULES
+         if worker.runs_on(mesh, name)]
+
+
+def torchrun(nproc: int, *args: str) -> tuple[subprocess.CompletedProcess, float]:
+    """Run the worker; past the deadline, kill torchrun and its workers (one session)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", str(nproc), str(REPO / "tests" / "dist_worker.py"), *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env, cwd=REPO, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"torchrun {' '.join(args)} hung for {LAUNCH_TIMEOUT} s:\n{stdout}{stderr}")
+    done = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    return done, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """``results(mesh)`` -> the folder where the launch covering ``mesh`` saved its
+    files; one launch per process count, on first use."""
+    folders: dict[int, Path] = {}
+
+    def folder(mesh: str) -> Path:
+        pp, dp = (int(n) for n in mesh.split("x"))
+        if pp * dp not in folders:
+            out = tmp_path_factory.mktemp(f"ranks{pp * dp}")
+            meshes = "2x1" if pp * dp == 2 else "4x1,2x2"
+            done, _ = torchrun(pp * dp, "--scenario", "schedules", "--meshes", meshes,
+                               "--out", str(out))
+            assert done.returncode == 0, done.stdout + done.stderr
+            folders[pp * dp] = out
+        return folders[pp * dp]
+    return folder
+
+
+Tensors = dict[str, torch.Tensor]
+
+
+def reference(name: str, pp: int) -> tuple[float, Tensors, Tensors]:
+    """Loss, gradients and parameters after one SGD step of the whole batch, unpipelined;
+    with dropout, by the threaded `Pipe.step`, whose masks the processes must reproduce."""
+    inputs, target = worker.batch()
+    if name.endswith("dropout"):
+        model = worker.tiny_lm(worker.DROPOUT)
+        pipe = Pipe(model, worker.MICROBATCHES, "never", [len(model) // pp] * pp)
+        loss = pipe.step(inputs, target, worker.token_loss, "1f1b")
+    else:
+        model = worker.tiny_lm()
+        loss = worker.token_loss(model(inputs), target)
+        loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    params = {n: (p - worker.LR * p.grad).detach() for n, p in model.named_parameters()}
+    return loss.item(), grads, params
+
+
+def load_ranks(folder: Path, mesh: str, name: str) -> list[dict]:
+    pp, dp = (int(n) for n in mesh.split("x"))
+    return [torch.load(folder / f"{mesh}-{name}-rank{r}.pt") for r in range(pp * dp)]
+
+
+@pytest.mark.parametrize("mesh,name", CASES)
+def test_step_equals_unpipelined_training(results, mesh, name):
+    """Every replica ends with the whole batch's loss and gradients, and after an SGD
+    step with the parameters of unpipelined training, identical across replicas."""
+    pp, dp = (int(n) for n in mesh.split("x"))
+    ref_loss, ref_grads, ref_params = reference(name, pp)
+    ranks = load_ranks(results(mesh), mesh, name)
+    replicas = [ranks[d * pp:(d + 1) * pp] for d in range(dp)]
+    for replica in replicas:
+        assert replica[-1]["loss"] == pytest.approx(ref_loss, rel=1e-5)
+        assert all(r["loss"] is None for r in replica[:-1])
+        grads = {n: g for r in replica for n, g in r["grads"].items()}
+        assert grads.keys() == ref_grads.keys()
+        assert sum(len(r["grads"]) for r in replica) == len(ref_grads)   # each once
+        for n, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[n], rtol=1e-5, atol=1e-7, msg=n)
+        for r in replica:
+            for n, p in r["params"].items():
+                torch.testing.assert_close(p, ref_params[n], rtol=1e-5, atol=1e-7, msg=n)
+    for pipe_rank in range(pp):
+        first = replicas[0][pipe_rank]["params"]
+        for replica in replicas[1:]:
+            assert all(torch.equal(first[n], p) for n, p in replica[pipe_rank]["params"].items())
+
+
+@pytest.mark.parametrize("mesh,name", CASES)
+def test_timeline_has_every_action_in_program_order(results, mesh, name):
+    pp, dp = (int(n) for n in mesh.split("x"))
+    record = json.loads((results(mesh) / f"{mesh}-{name}-timeline.json").read_text())
+    timeline = Timeline.from_dict(record["timeline"])
+    assert timeline.ranks == pp * dp and timeline.unit == "s"
+    assert min(e.start for e in timeline.events) == 0.0
+    for rank in range(pp * dp):
+        events = sorted((e for e in timeline.events if e.rank == rank), key=lambda e: e.start)
+        assert [str(e.action) for e in events] == record["programs"][rank % pp]
+        assert all(a.end <= b.start for a, b in zip(events, events[1:]))
+
+
+def test_failing_rank_stops_every_rank_and_names_it():
+    """Rank 0 is computing (a long forward) when rank 1 fails: its watchdog must stop it
+    (no error of its own: "here: ..." would mean a failed wait noticed it instead)."""
+    done, seconds = torchrun(2, "--scenario", "raise")
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert seconds < 60 < worker.SLEEP
+    assert "rank 1 failed: RuntimeError: boom: injected failure" in output
+    assert "running 1F1 of GPipe" in output
+    stopped = [line for line in output.splitlines() if line.startswith("rank 0: stopping")]
+    assert len(stopped) == 1 and "because rank 1 failed" in stopped[0]
+    assert "(here:" not in stopped[0]
+
+
+def test_shape_mismatch_between_stages_is_reported_not_hung():
+    done, seconds = torchrun(2, "--scenario", "mismatch")
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert seconds < 60
+    assert "rank 0: stopping because rank 1 failed: RuntimeError: mat1 and mat2" in output
+    assert "stage 1's input for micro-batch 0, from stage 0 on pipe rank 0, was " \
+           "float32[2, 16]" in output
+
+
+# -- in-process: the parts that need no second process ---------------------------------
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"])
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_every_needed_message_is_sent_exactly_once(name, ranks):
+    """A receiver waits for what its program needs; `send_order` must list each of those
+    exactly once, from the rank that holds the producing stage."""
+    schedule = build(name, ranks, 6 if name == "interleaved_1f1b" and ranks == 3 else 4)
+    last = schedule.stages - 1
+    sent = sorted((dst, str(m)) for rank in range(ranks) for dst, m in send_order(schedule, rank))
+    needed = sorted(
+        (rank, f"the {'activation' if a.kind == 'F' else 'gradient'} for stage {a.stage}, "
+               f"micro-batch {a.microbatch}")
+        for rank in range(ranks) for a in schedule.actions[rank]
+        if (a.kind == "F" and a.stage > 0) or (a.kind in ("B", "I") and a.stage < last))
+    assert sent == needed
+
+
+def test_plan_explains_a_balance_that_does_not_fit():
+    with pytest.raises(ValueError, match="give 2 entries"):
+        plan("1f1b", 2, 3, 4)
+    with pytest.raises(ValueError, match="multiple of 2"):
+        plan("interleaved_1f1b", 2, 3, 4)
+    assert plan("interleaved_1f1b", 2, 6, 4).virtual_stages == 3
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
+def test_simulate_measured_recovers_the_costs_of_a_timeline(name):
+    schedule = build(name, 3, 4)
+    costs = dict(forward=[1.0, 2.0, 1.5], backward=[2.0, 4.0, 3.0], weight=[0.5, 1.0, 1.0])
+    timeline = simulate(schedule, **costs)
+    again = simulate_measured(schedule, timeline)
+    assert again.makespan == pytest.approx(timeline.makespan)
+    durations = [e.duration for e in timeline.events]
+    assert [e.duration for e in again.events] == pytest.approx(durations)
