@@ -104,8 +104,8 @@ def main() -> None:
     print(f"\nSequential (1 thread) vs Pipe.step (2 stage threads x 1 thread), "
           f"balance {balance}.\nIdeal = m·Σt/(Σt+(m-1)·max t) for the measured stage times "
           f"t (p·m/(m+p-1) if equal).")
-    print(f"| schedule | m | step (s) | speedup | ideal | of ideal | bubble |")
-    print(f"|---|---|---|---|---|---|---|")
+    print("| schedule | m | step (s) | speedup | ideal | of ideal | bubble |")
+    print("|---|---|---|---|---|---|---|")
     print(f"| sequential | - | {base:.3f} | 1.00 | - | - | - |")
     for r in rows[1:]:
         print(f"| {r['schedule']} | {r['m']} | {r['step_s']:.3f} | {r['speedup']:.2f} | "

@@ -93,34 +93,10 @@ from .microbatch import loss_weights, split
 from .p2p import Message, Transport, describe
 from .pipe import group_layers
 from .rng import new_step_seed, seed_for
-from .schedules import Action, Schedule, build, splits_backward, validate
+from .schedules import Action, Schedule, plan, splits_backward
 from .skip import skip_routes
 from .stage import LossFn, StageRunner
 from .timeline import Event, Timeline, simulate
-
-
-def plan(schedule: str | Schedule, pp: int, stages: int, microbatches: int) -> Schedule:
-    """The schedule for ``stages`` stages on ``pp`` ranks: built by name (interleaved 1F1B
-    puts ``stages // pp`` on each rank), or checked against the sizes if given."""
-    if isinstance(schedule, str):
-        if schedule == "interleaved_1f1b":
-            if stages % pp:
-                raise ValueError(f"interleaved_1f1b puts the same number of stages on every "
-                                 f"rank: {stages} stages on {pp} ranks do not divide; give a "
-                                 f"balance with a multiple of {pp} entries")
-            schedule = build(schedule, pp, microbatches, virtual_stages=stages // pp)
-        elif stages != pp:
-            raise ValueError(f"{schedule} runs one stage per rank: the balance has {stages} "
-                             f"stages for {pp} pipeline ranks; give {pp} entries (or use "
-                             f"interleaved_1f1b for several stages per rank)")
-        else:
-            schedule = build(schedule, pp, microbatches)
-    if (schedule.ranks, schedule.stages, schedule.microbatches) != (pp, stages, microbatches):
-        raise ValueError(f"schedule {schedule.name!r} is for {schedule.ranks} ranks, "
-                         f"{schedule.stages} stages and {schedule.microbatches} micro-batches, "
-                         f"not {pp} ranks, {stages} stages and {microbatches} micro-batches")
-    validate(schedule)
-    return schedule
 
 
 class DistributedPipe:

@@ -17,7 +17,7 @@ from .checkpoint import check_mode, checkpointed, checkpointing, recomputing
 from .devices import stage_devices, transfer
 from .microbatch import gather, loss_weights, split
 from .rng import microbatch_rng, new_step_seed, seed_for
-from .schedules import Action, Schedule, build, validate
+from .schedules import Action, Schedule, plan
 from .skip import SkipError, SkipKey, SkipTracker, describe, skip_routes, use_tracker
 from .stage import LossFn, StageRunner
 from .threaded import Mailbox, run_programs
@@ -186,19 +186,14 @@ class Pipe(nn.Module):
 
     def _schedule(self, schedule: str | Schedule, microbatches: int) -> Schedule:
         n = len(self.partitions)
-        if isinstance(schedule, str):
-            if schedule == "interleaved_1f1b":
-                if n % 2:
-                    raise ValueError(f"interleaved_1f1b puts 2 stages on each device, so "
-                                     f"it needs an even number of stages, not {n}")
-                schedule = build(schedule, n // 2, microbatches, virtual_stages=2)
-            else:
-                schedule = build(schedule, n, microbatches)
-        if schedule.stages != n or schedule.microbatches != microbatches:
-            raise ValueError(f"schedule {schedule.name!r} is for {schedule.stages} stages "
-                             f"and {schedule.microbatches} micro-batches, but this Pipe has "
-                             f"{n} stages and the batch was split into {microbatches}")
-        validate(schedule)
+        if schedule == "interleaved_1f1b" and n % 2:
+            raise ValueError(f"interleaved_1f1b puts 2 stages on each device, so it needs an "
+                             f"even number of stages, not {n}")
+        if isinstance(schedule, Schedule):
+            ranks = schedule.ranks
+        else:
+            ranks = n // 2 if schedule == "interleaved_1f1b" else n
+        schedule = plan(schedule, ranks, n, microbatches)
         for s in range(n):
             if self.devices[s] != self.devices[schedule.rank_of(s)]:
                 raise ValueError(f"{schedule.name} runs stage {s} on rank "

@@ -16,6 +16,7 @@ Such batches are not counted, so the same loop runs unchanged on every rank.
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
 import time
@@ -236,7 +237,6 @@ def train(
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    import argparse
 
     from pipeline_lib.schedules import BUILDERS
 

@@ -1,5 +1,4 @@
 """Pipe: pipelined training is the same computation as unpipelined training."""
-import copy
 import time
 
 import pytest
@@ -8,6 +7,7 @@ from torch import nn
 
 from pipeline_lib import Pipe, is_checkpointing, is_recomputing, simulate
 from pipeline_lib.schedules import dependencies, gpipe, splits_backward
+from conftest import assert_same_grads
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
 CHECKPOINTS = ["always", "except_last", "never"]
@@ -25,12 +25,6 @@ def make_model(dropout: float = 0.0) -> nn.Sequential:
 def data(rows: int = 10):
     g = torch.Generator().manual_seed(1)
     return torch.randn(rows, 6, generator=g), torch.randint(0, 3, (rows,), generator=g)
-
-
-def assert_same_grads(model, reference):
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert p.grad is not None, f"{name} got no gradient"
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def cases():
@@ -176,8 +170,8 @@ def test_bad_inputs_get_clear_errors():
     with pytest.raises(ValueError, match="needs an even number of stages, not 3"):
         Pipe(model, chunks=1, balance=[3, 3, 3]).step(x, y, nn.CrossEntropyLoss(),
                                                       "interleaved_1f1b")
-    with pytest.raises(ValueError, match="is for 3 stages and 2 micro-batches, but this "
-                                         "Pipe has 2 stages"):
+    with pytest.raises(ValueError, match="is for 3 ranks, 3 stages and 2 micro-batches, "
+                                         "not 3 ranks, 2 stages"):
         Pipe(model, chunks=2, balance=[4, 5]).step(x[:2], y[:2], nn.CrossEntropyLoss(),
                                                    gpipe(3, 2))
 

@@ -8,6 +8,7 @@ from torch import nn
 
 from pipeline_lib import Namespace, Pipe, SkipError, pop, skippable, stash, verify_skips
 from pipeline_lib.threaded import Mailbox
+from conftest import assert_same_grads
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
 CHECKPOINTS = ["always", "except_last", "never"]
@@ -60,12 +61,6 @@ def by_hand(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
 def data(rows: int = 10):
     g = torch.Generator().manual_seed(1)
     return torch.randn(rows, 4, generator=g), torch.randint(0, 3, (rows,), generator=g)
-
-
-def assert_same_grads(model, reference):
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert p.grad is not None, f"{name} got no gradient"
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_skippable_layers_run_in_a_plain_sequential():
