@@ -35,21 +35,30 @@ def torchrun(module: str, args: Sequence[str] = (), nproc: int = 2,
     """
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", "-m", module, *map(str, args)]
+    shown = "torchrun " + " ".join(command[3:])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env=env, start_new_session=True)
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        raise TorchrunError(f"`{' '.join(command[2:])}` did not finish within {timeout:g} s "
-                            f"and was killed with all its workers (a rank waiting for a "
-                            f"message that never comes?). Its last output:\n"
-                            f"{_tail(output)}") from None
+        raise TorchrunError(f"`{shown}` did not finish within {timeout:g} s and was killed "
+                            f"with all its workers (a rank waiting for a message that "
+                            f"never comes?). Its last output:\n{_tail(_kill(process))}"
+                            ) from None
+    except BaseException:   # an interrupted caller must not leave the job running
+        _kill(process)
+        raise
     if process.returncode != 0:
-        raise TorchrunError(f"`{' '.join(command[2:])}` exited with code "
-                            f"{process.returncode}. Its last output:\n{_tail(output)}")
+        raise TorchrunError(f"`{shown}` exited with code {process.returncode}. "
+                            f"Its last output:\n{_tail(output)}")
+    return output
+
+
+def _kill(process: subprocess.Popen) -> str:
+    """Kill torchrun and its workers (its whole session); return what they printed."""
+    os.killpg(process.pid, signal.SIGKILL)
+    output, _ = process.communicate()
     return output
 
 

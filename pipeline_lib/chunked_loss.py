@@ -1,0 +1,68 @@
+"""The vocabulary projection and its loss, computed a slice of the sequence at a time.
+
+A language model's largest tensors are at its very end: the logits ``[B, T, V]`` and,
+during the backward, their gradient, both ``V / d_model`` times the size of the body's
+output (V = 33k words against d_model = 128 is 260 times). Autograd keeps all of them
+alive at once. Nothing forces that: each position's loss depends on that position's
+logits only, so
+
+1. run the body once and cut its output off the graph, as a leaf that requires grad;
+2. for each slice of ``chunk`` positions: project to logits, take the slice's share of
+   the mean loss, and backward it at once. This accumulates the projection's weight
+   gradients and the leaf's gradient for those positions, and frees the slice's logits
+   before the next slice makes its own;
+3. backward through the body once, from the leaf's gradient.
+
+The gradients are those of the unchunked loss (a sum splits into partial sums), while the
+logits alive at any moment shrink from T positions to ``chunk``. The Annotated
+Transformer's ``MultiGPULossCompute`` does the same (splitting over GPUs as well), and
+so do today's fused "chunked cross-entropy" kernels.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def chunked_loss_backward(features: Tensor, head: nn.Module, target: Tensor,
+                          chunk: int) -> Tensor:
+    """Backward the mean cross-entropy of ``head(features)`` against ``target`` through
+    ``head`` in slices of ``chunk`` positions, then once through whatever computed
+    ``features``. Returns the loss, detached.
+
+    ``features`` is ``[B, T, D]`` (batch first), still attached to the body's graph;
+    ``target`` is ``[B, T]`` token ids.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be a positive number of positions, got {chunk}")
+    if features.shape[:-1] != target.shape:
+        raise ValueError(f"features {tuple(features.shape)} and target "
+                         f"{tuple(target.shape)} disagree: expected features [B, T, D] "
+                         f"for target [B, T]")
+    leaf = features.detach().requires_grad_(features.requires_grad)
+    tokens = target.numel()
+    total = torch.zeros((), device=features.device)
+    for start in range(0, target.size(1), chunk):
+        positions = slice(start, start + chunk)
+        # Unnamed, the logits are freed as soon as the loss has their log-softmax.
+        part = F.cross_entropy(head(leaf[:, positions]).flatten(0, 1),
+                               target[:, positions].flatten(), reduction="sum") / tokens
+        part.backward()
+        total += part.detach()
+    if features.requires_grad:
+        features.backward(leaf.grad)
+    return total
+
+
+def lm_backward(model: nn.Sequential, inputs: Tensor, target: Tensor,
+                chunk: int | None = None) -> Tensor:
+    """One forward and backward of a language model whose last layer is the vocabulary
+    projection (`models.transformer_lm`): plain when ``chunk`` is None, else with the
+    projection and loss in slices of ``chunk`` positions. Returns the loss, detached."""
+    if chunk is None:
+        loss = F.cross_entropy(model(inputs).flatten(0, 1), target.flatten())
+        loss.backward()
+        return loss.detach()
+    body, head = model[:-1], model[-1]
+    return chunked_loss_backward(body(inputs), head, target, chunk)

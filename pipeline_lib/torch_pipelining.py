@@ -1,0 +1,302 @@
+"""Our Transformer LM on PyTorch's own pipeline runtime, `torch.distributed.pipelining`.
+
+Everything `Pipe.step` does by hand, PyTorch does with three objects: a *stage* (the
+layers one rank holds, as a `PipelineStage`), a *schedule* (`ScheduleGPipe`,
+`Schedule1F1B`, ...) that splits the batch into micro-batches and runs the stage's
+forwards and backwards in its order, and a process group whose point-to-point messages
+carry activations and gradients between ranks. A stage is cut out of the model in one of
+two ways:
+
+* **manual**: each rank builds the whole model and keeps only its own layers
+  (`manual_split`), as torchtitan does;
+* **tracer**: `pipeline()` traces the model with ``torch.export`` and cuts the graph at
+  `SplitPoint`s (`split_spec`); each rank builds its stage from the traced pipe.
+
+This file is also the torchrun worker that runs them and writes what happened::
+
+    torchrun --nproc-per-node 2 -m pipeline_lib.torch_pipelining WORKDIR \\
+        --runs gpipe:manual,1f1b:tracer --microbatches 4
+
+``WORKDIR/setup.pt`` (`write_setup`) holds the model's config and weights and one batch;
+every run starts from those weights and leaves, per rank, the micro-batch losses, the
+gradients of the rank's parameters and the timeline of its forwards and backwards
+(`read_run` puts the ranks back together). `pytorch_schedule` turns the action order PyTorch
+describes for a schedule into our `Schedule`, to simulate and draw it.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                          SplitPoint, pipeline)
+from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+from torch.distributed.pipelining.schedules import _ComputationType
+from torch.distributed.pipelining.stage import _PipelineStageBase
+
+from .launch import backend_for, worker_device
+from .models import transformer_lm
+from .schedules import Action, Schedule
+from .timeline import Event, Timeline
+from .train import lm_loss
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SPLITS = ("manual", "tracer")
+_COMPUTE = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B",
+            _ComputationType.BACKWARD_INPUT: "I", _ComputationType.BACKWARD_WEIGHT: "W"}
+
+
+# -- the two ways to cut a stage out of the model --------------------------------------
+
+def _check_balance(model: nn.Sequential, balance: Sequence[int]) -> None:
+    if any(b < 1 for b in balance) or sum(balance) != len(model):
+        raise ValueError(f"balance {list(balance)} must be positive layer counts adding up "
+                         f"to the model's {len(model)} layers")
+
+
+def manual_split(model: nn.Sequential, balance: Sequence[int], stage: int) -> nn.Sequential:
+    """The layers of ``stage``, under the names they have in ``model``.
+
+    Keeping the names ("2", "3", ... rather than renumbering from "0") means the full
+    model's state dict, and gradients keyed by parameter name, line up with every stage.
+    """
+    _check_balance(model, balance)
+    if not 0 <= stage < len(balance):
+        raise ValueError(f"stage {stage} does not exist: balance {list(balance)} makes "
+                         f"{len(balance)} stages")
+    start = sum(balance[:stage])
+    names = [str(i) for i in range(start, start + balance[stage])]
+    return nn.Sequential(OrderedDict((name, model[int(name)]) for name in names))
+
+
+def split_spec(balance: Sequence[int]) -> dict[str, SplitPoint]:
+    """For `pipeline()`: cut just before the first layer of every stage but the first."""
+    starts = [sum(balance[:k]) for k in range(1, len(balance))]
+    return {str(layer): SplitPoint.BEGINNING for layer in starts}
+
+
+def make_stage(model: nn.Sequential, balance: Sequence[int], split: str, rank: int,
+               example_microbatch: Tensor, device: torch.device) -> _PipelineStageBase:
+    """This rank's `PipelineStage` on ``device``, cut out ``split``-wise ("manual" or
+    "tracer"). ``model`` and the example must already be on ``device``.
+
+    The traced graph is specialised to the example's shape: every micro-batch must have
+    the shape of ``example_microbatch``.
+    """
+    _check_balance(model, balance)
+    if split == "manual":
+        return PipelineStage(manual_split(model, balance, rank), rank, len(balance), device)
+    if split == "tracer":
+        traced = pipeline(model, mb_args=(example_microbatch,),
+                          split_spec=split_spec(balance))
+        return traced.build_stage(rank, device)
+    raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
+
+
+# -- watching the runtime ----------------------------------------------------------------
+
+def record_actions(stage: _PipelineStageBase, events: list[Event]) -> None:
+    """Log every forward and backward the schedule runs on ``stage`` as one of our
+    `Event`s, so PyTorch's run becomes a `Timeline` we can draw and check.
+
+    Single-stage schedules do not execute their ``pipeline_order``: they run hand-written
+    loops, and this shows what those loops really did. Times are wall clock
+    (``time.time``), comparable between processes on one machine.
+    """
+    rank = dist.get_rank()
+    forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+    def log(kind: str, microbatch: int, start: float) -> None:
+        events.append(Event(rank, Action(stage.stage_index, kind, microbatch),
+                            start, time.time()))
+
+    def forward_one_chunk(fwd_chunk_id: int, args: tuple[Any, ...],
+                          kwargs: dict[str, Any] | None = None,
+                          save_forward_output: bool = True) -> Any:
+        start = time.time()
+        output = forward(fwd_chunk_id, args, kwargs, save_forward_output)
+        log("F", fwd_chunk_id, start)
+        return output
+
+    def backward_one_chunk(bwd_chunk_id: int, loss: Tensor | None = None,
+                           full_backward: bool = True, last_backward: bool = False) -> None:
+        start = time.time()
+        backward(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                 last_backward=last_backward)
+        log("B" if full_backward else "I", bwd_chunk_id, start)
+
+    stage.forward_one_chunk = forward_one_chunk
+    stage.backward_one_chunk = backward_one_chunk
+
+
+# -- what a notebook hands the workers, and what it gets back -----------------------------
+
+def write_setup(workdir: str | Path, model_config: dict[str, Any], model: nn.Module,
+                inputs: Tensor, targets: Tensor, balance: Sequence[int]) -> Path:
+    """Save what every run starts from: ``transformer_lm(**model_config)`` with
+    ``model``'s weights, one batch, and the layers per stage."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / "setup.pt"
+    torch.save({"model_config": model_config, "state_dict": model.state_dict(),
+                "inputs": inputs, "targets": targets, "balance": list(balance)}, path)
+    return path
+
+
+def load_model(setup: dict[str, Any]) -> nn.Sequential:
+    model = transformer_lm(**setup["model_config"])
+    model.load_state_dict(setup["state_dict"])
+    return model
+
+
+@dataclass
+class RunResult:
+    """One run of PyTorch's pipeline, all ranks together."""
+
+    microbatch_losses: list[float]
+    grads: dict[str, Tensor]
+    timeline: Timeline
+
+    @property
+    def loss(self) -> float:
+        """The batch loss as PyTorch's scaling defines it: the mean of micro-batch means."""
+        return sum(self.microbatch_losses) / len(self.microbatch_losses)
+
+    def executed(self) -> Schedule:
+        """The order in which each rank really ran its actions, as a `Schedule`."""
+        ranks = self.timeline.ranks
+        actions = [[e.action for e in sorted(self.timeline.events, key=lambda e: e.start)
+                    if e.rank == rank] for rank in range(ranks)]
+        return Schedule(self.timeline.title, ranks, len(self.microbatch_losses), actions)
+
+
+def _folder(workdir: str | Path, schedule: str, split: str) -> Path:
+    return Path(workdir) / f"{schedule}-{split}"
+
+
+def read_run(workdir: str | Path, schedule: str, split: str) -> RunResult:
+    folder = _folder(workdir, schedule, split)
+    parts = [torch.load(path) for path in sorted(folder.glob("rank*.pt"))]
+    if not parts:
+        raise FileNotFoundError(f"no results in {folder}: launch the worker with "
+                                f"--runs {schedule}:{split} first")
+    losses = [loss for part in parts for loss in part["losses"]]
+    grads = {name: g for part in parts for name, g in part["grads"].items()}
+    events = [e for part in parts for e in Timeline.from_dict(part["timeline"]).events]
+    title = f"torch.distributed.pipelining {SCHEDULES[schedule].__name__} ({split} split)"
+    return RunResult(losses, grads, Timeline(len(parts), events, "s", title))
+
+
+# -- the torchrun worker ------------------------------------------------------------------
+
+def _run(setup: dict[str, Any], schedule: str, split: str, microbatches: int,
+         steps: int, device: torch.device) -> dict[str, Any]:
+    """Run ``steps`` forward-backward steps from the saved weights (no optimizer: every
+    step computes the same gradients); report the last one, whose stages have warmed up
+    (the first step also works out the shapes of the messages between stages)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    balance = setup["balance"]
+    if len(balance) != world:
+        raise ValueError(f"balance {balance} makes {len(balance)} stages but torchrun "
+                         f"started {world} processes; use --nproc-per-node {len(balance)}")
+    inputs, targets = setup["inputs"].to(device), setup["targets"].to(device)
+    if inputs.size(0) % microbatches:
+        raise ValueError(f"a batch of {inputs.size(0)} rows does not split into "
+                         f"{microbatches} equal micro-batches, which the traced graph and "
+                         f"PyTorch's loss scaling both assume")
+    model = load_model(setup).to(device)
+    example = inputs.tensor_split(microbatches)[0]
+    stage = make_stage(model, balance, split, rank, example, device)
+    runner = SCHEDULES[schedule](stage, microbatches, loss_fn=lm_loss)
+    events: list[Event] = []
+    record_actions(stage, events)
+    losses: list[Tensor] = []      # the last stage's schedule fills it in every step
+    for _ in range(steps):
+        stage.submod.zero_grad(set_to_none=True)
+        events.clear()
+        if stage.is_first:
+            runner.step(inputs)
+        elif stage.is_last:
+            runner.step(target=targets, losses=losses)
+        else:
+            runner.step()
+    return {"losses": [loss.item() for loss in losses],
+            "grads": {name: p.grad.cpu() for name, p in stage.submod.named_parameters()
+                      if p.grad is not None},
+            "timeline": Timeline(world, events).to_dict()}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("workdir", type=Path, help="folder with setup.pt (write_setup)")
+    parser.add_argument("--runs", default="1f1b:manual",
+                        help="comma-separated schedule:split pairs, schedule in "
+                             f"{sorted(SCHEDULES)}, split in {SPLITS}")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.microbatches < 1:
+        parser.error("--steps and --microbatches must be at least 1")
+    runs = [tuple(run.split(":")) for run in args.runs.split(",")]
+    for run in runs:
+        if len(run) != 2 or run[0] not in SCHEDULES or run[1] not in SPLITS:
+            parser.error(f"--runs: {':'.join(run)!r} is not schedule:split with schedule "
+                         f"in {sorted(SCHEDULES)} and split in {SPLITS}")
+    if not (args.workdir / "setup.pt").exists():
+        parser.error(f"{args.workdir} has no setup.pt: write one with write_setup()")
+    setup = torch.load(args.workdir / "setup.pt")
+    device = worker_device()
+    dist.init_process_group(backend_for(device))
+    try:
+        for schedule, split in runs:
+            result = _run(setup, schedule, split, args.microbatches, args.steps, device)
+            folder = _folder(args.workdir, schedule, split)
+            folder.mkdir(exist_ok=True)
+            torch.save(result, folder / f"rank{dist.get_rank()}.pt")
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# -- PyTorch's schedules as our Schedule --------------------------------------------------
+
+def pytorch_schedule(name: str, ranks: int, microbatches: int,
+                     virtual_stages: int | None = None) -> Schedule:
+    """The order in which PyTorch's schedule ``name`` ("GPipe", "1F1B",
+    "Interleaved1F1B", "InterleavedZeroBubble", ...) runs each rank's actions, as a
+    `Schedule`. Not validated: call `validate` on it.
+
+    It comes from PyTorch's ``pipeline_order`` (via its schedule visualiser, which needs
+    no processes), dropping the idle slots (``None``) and non-compute actions
+    (``REDUCE_GRAD``, sends, receives). PyTorch writes actions exactly as we do, stage,
+    kind, micro-batch: ``_Action(0, F, 1)`` prints as ``0F1``.
+    """
+    program = get_schedule_ops(name, ranks, microbatches, virtual_stages)
+    actions: list[list[Action]] = []
+    for rank, order in enumerate(program):
+        actions.append([])
+        for a in order:
+            if a is not None and a.computation_type == _ComputationType.OVERLAP_F_B:
+                raise ValueError(f"{name} overlaps a forward with a backward ({a}); a "
+                                 f"Schedule runs one action at a time")
+            if a is None or a.computation_type not in _COMPUTE:
+                continue
+            if a.stage_index % ranks != rank:
+                raise ValueError(f"{name} puts stage {a.stage_index} on rank {rank}; a "
+                                 f"Schedule places stage s on rank s % ranks (a V-shaped "
+                                 f"placement has no equivalent)")
+            actions[rank].append(Action(a.stage_index, _COMPUTE[a.computation_type],
+                                        a.microbatch_index))
+    return Schedule(f"PyTorch {name}", ranks, microbatches, actions,
+                    virtual_stages=virtual_stages or 1)
+
+
+if __name__ == "__main__":
+    main()

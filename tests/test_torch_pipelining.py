@@ -1,0 +1,100 @@
+"""torch.distributed.pipelining on our model: the splits, the schedule conversion, and one
+torchrun launch checked against `Pipe.step`."""
+import pytest
+import torch
+from torch.distributed.pipelining import pipeline
+
+from pipeline_lib.launch import TorchrunError, torchrun
+from pipeline_lib.models import transformer_lm
+from pipeline_lib.pipe import Pipe
+from pipeline_lib.schedules import (ScheduleError, gpipe, interleaved_1f1b, one_f_one_b,
+                                    validate)
+from pipeline_lib.torch_pipelining import (main, manual_split, pytorch_schedule, read_run,
+                                           split_spec, write_setup)
+from pipeline_lib.train import lm_loss
+
+CONFIG = dict(vocab_size=40, d_model=16, nhead=2, d_hid=32, nlayers=2, dropout=0.0)
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    return transformer_lm(**CONFIG)
+
+
+def test_manual_split_keeps_each_layer_once_under_its_name():
+    model = tiny_model()
+    stages = [manual_split(model, [1, 2, 1], s) for s in range(3)]
+    names = [n for stage in stages for n, _ in stage.named_parameters()]
+    assert names == [n for n, _ in model.named_parameters()]
+    assert stages[1][0] is model[1] and stages[1][1] is model[2]
+
+
+@pytest.mark.parametrize("balance, stage", [([2, 2], 2), ([2, 1], 0), ([4, 0], 0)])
+def test_manual_split_rejects_bad_requests(balance, stage):
+    with pytest.raises(ValueError, match="balance|stage"):
+        manual_split(tiny_model(), balance, stage)
+
+
+@pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")   # inside torch.export
+def test_tracer_cuts_where_manual_split_does_and_computes_the_same():
+    model = tiny_model()
+    inputs = torch.randint(0, CONFIG["vocab_size"], (2, 5))
+    assert list(split_spec([1, 2, 1])) == ["1", "3"]
+    traced = pipeline(model, mb_args=(inputs,), split_spec=split_spec([1, 2, 1]))
+    assert traced.num_stages == 3
+    for s in range(3):
+        assert ({n for n, _ in traced.get_stage_module(s).named_parameters()}
+                == {n for n, _ in manual_split(model, [1, 2, 1], s).named_parameters()})
+    torch.testing.assert_close(traced(inputs)[0], model(inputs))
+
+
+def test_pytorch_gpipe_and_interleaved_orders_equal_ours():
+    assert pytorch_schedule("GPipe", 3, 5).actions == gpipe(3, 5).actions
+    for p, m, v in [(2, 4, 2), (4, 8, 2), (3, 6, 3)]:
+        assert (pytorch_schedule("Interleaved1F1B", p, m, v).actions
+                == interleaved_1f1b(p, m, v).actions)
+
+
+def test_pytorch_1f1b_order_matches_ours_except_possibly_the_last_rank():
+    theirs, ours = pytorch_schedule("1F1B", 4, 8), one_f_one_b(4, 8)
+    assert theirs.actions[:-1] == ours.actions[:-1]
+    if theirs.actions[-1] != ours.actions[-1]:
+        with pytest.raises(ScheduleError):
+            validate(theirs)
+
+
+def test_pytorch_schedule_refuses_v_shaped_placement():
+    with pytest.raises(ValueError, match="V-shaped"):
+        pytorch_schedule("ZBVZeroBubble", 2, 4, 2)
+
+
+def test_worker_rejects_unknown_runs_before_starting(tmp_path):
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--runs", "zb:manual"])
+
+
+def test_torchrun_deadline_kills_the_job(tmp_path):
+    with pytest.raises(TorchrunError, match="did not finish"):
+        torchrun("pipeline_lib.torch_pipelining", [tmp_path], timeout=1)
+
+
+def test_pytorch_pipeline_equals_pipe_step(tmp_path):
+    """PyTorch's loss and gradients are ours, and its runtime runs our orders. (The
+    tracer split runs in the notebook; launching it here would trace on both ranks.)"""
+    model = tiny_model()
+    inputs, targets = torch.randint(0, CONFIG["vocab_size"], (2, 4, 6))
+    write_setup(tmp_path, CONFIG, model, inputs, targets, balance=[2, 2])
+    torchrun("pipeline_lib.torch_pipelining",
+             [tmp_path, "--runs", "gpipe:manual,1f1b:manual", "--microbatches", "2",
+              "--steps", "1"], timeout=120)
+    for schedule, split in [("gpipe", "manual"), ("1f1b", "manual")]:
+        reference = tiny_model()
+        loss = Pipe(reference, chunks=2, checkpoint="never", balance=[2, 2]).step(
+            inputs, targets, lm_loss, schedule=schedule)
+        run = read_run(tmp_path, schedule, split)
+        assert run.loss == pytest.approx(loss.item(), rel=1e-6)
+        assert sorted(run.grads) == sorted(n for n, _ in reference.named_parameters())
+        for name, param in reference.named_parameters():
+            torch.testing.assert_close(run.grads[name], param.grad, rtol=1e-5, atol=1e-7)
+        ours = gpipe(2, 2) if schedule == "gpipe" else one_f_one_b(2, 2)
+        assert run.executed().actions == ours.actions
