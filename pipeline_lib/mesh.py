@@ -47,7 +47,8 @@ _FAILURES = "pipeline_lib/failures/"
 
 def _exit(message: str) -> NoReturn:
     """Leave now: pending point-to-point work can block a normal interpreter shutdown."""
-    print(message, file=sys.stderr, flush=True)
+    if message:
+        print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(1)
 
@@ -76,7 +77,11 @@ class _Watchdog(threading.Thread):
                           f"(c10d store: {exc}); stopping")
                 return
             if failed and not self.stopped.is_set():
-                _exit(f"rank {self.rank}: stopping because " + "; ".join(reasons))
+                print(f"rank {self.rank}: stopping because " + "; ".join(reasons),
+                      file=sys.stderr, flush=True)
+                with contextlib.suppress(Exception):
+                    self.store.add("acknowledged", 1)
+                _exit("")
 
     def report(self, exc: BaseException) -> NoReturn:
         """Called on a rank whose work raised: publish the error, then exit. If another
@@ -94,10 +99,17 @@ class _Watchdog(threading.Thread):
         traceback.print_exception(exc)
         notes = getattr(exc, "__notes__", [])
         mine = f"rank {self.rank} failed: {here}" + (f" ({'; '.join(notes)})" if notes else "")
+        print(mine, file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):
             self.store.set(f"rank{self.rank}", mine)
             self.store.add("count", 1)
-        _exit(mine)
+            # Stay until every other rank has said why it stops (a few seconds at most):
+            # once this process exits, torchrun kills the others, perhaps mid-sentence.
+            deadline = time.monotonic() + 10.0
+            while (self.store.add("acknowledged", 0) < self.world_size - 1
+                   and time.monotonic() < deadline):
+                time.sleep(self.poll)
+        _exit("")
 
 
 @contextlib.contextmanager
