@@ -23,6 +23,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ from pipeline_lib.distributed import DistributedPipe
 from pipeline_lib.mesh import Mesh, init_mesh, process_group
 from pipeline_lib.models import transformer_lm
 from pipeline_lib.partition import balance_by_time
+from timing import Runner, alternate, paired_ratio  # bench/timing.py, beside this file
 
 
 @dataclass(frozen=True)
@@ -84,28 +86,16 @@ def sequential(config: Config, threads: int, warmup: int, steps: int) -> float:
 
 # -- two ranks (torchrun runs this file with --worker) ----------------------------------
 
-def timed_steps(step, zero_grad, warmup: int, steps: int, after=None) -> list[float]:
-    """Seconds per step between barriers, so every rank has finished its part."""
-    times = []
-    for k in range(warmup + steps):
-        zero_grad()
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-        if after is not None and k >= warmup:
-            after()
-    return times[warmup:]
+def zero_grad_of(module: nn.Module) -> Callable[[], None]:
+    return lambda: module.zero_grad(set_to_none=True)
 
 
-def ours(config: Config, balance: list[int], schedule: str, m: int, warmup: int,
-         steps: int, mesh: Mesh) -> tuple[list[float], list[float] | None]:
-    """Step times, and (on rank 1, which gathers the timelines) the mean forward +
-    backward time of one micro-batch on each stage."""
+def ours(config: Config, balance: list[int], schedule: str, m: int,
+         mesh: Mesh) -> tuple[Runner, dict[tuple[int, str], list[float]]]:
+    """The runner, and the durations of every action on each (stage, kind) that rank 1
+    gathers from the timelines of the measured steps."""
     pipe = DistributedPipe(build(config), mesh, balance, m, schedule)
     inputs, target = batch(config)
-    params = list(pipe.parameters())
     durations: dict[tuple[int, str], list[float]] = {}
 
     def record() -> None:
@@ -113,20 +103,12 @@ def ours(config: Config, balance: list[int], schedule: str, m: int, warmup: int,
         for e in timeline.events if timeline is not None else []:
             durations.setdefault((e.action.stage, e.action.kind), []).append(e.duration)
 
-    def zero_grad() -> None:
-        for p in params:
-            p.grad = None
-
-    times = timed_steps(lambda: pipe.step(inputs, target, lm_loss), zero_grad, warmup,
-                        steps, after=record)
-    if not durations:
-        return times, None
-    return times, [statistics.mean(durations[(s, "F")]) + statistics.mean(durations[(s, "B")])
-                   for s in range(len(balance))]
+    zero_grad = zero_grad_of(nn.ModuleList(pipe.modules.values()))
+    return Runner(lambda: pipe.step(inputs, target, lm_loss), zero_grad, record), durations
 
 
 def torch_pipelining(config: Config, balance: list[int], schedule: str, m: int,
-                     warmup: int, steps: int, rank: int) -> list[float]:
+                     rank: int) -> Runner:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     layers = list(build(config).children())
     start = sum(balance[:rank])
@@ -142,7 +124,7 @@ def torch_pipelining(config: Config, balance: list[int], schedule: str, m: int,
         else:
             runner.step(target=target, losses=[], return_outputs=False)
 
-    return timed_steps(step, lambda: module.zero_grad(set_to_none=True), warmup, steps)
+    return Runner(step, zero_grad_of(module))
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -154,14 +136,18 @@ def worker(args: argparse.Namespace) -> None:
         mesh = init_mesh(pp=2)
         for m in args.microbatches:
             for schedule in SCHEDULES:
-                times, stage_times = ours(config, balance, schedule, m, args.warmup,
-                                          args.steps, mesh)
-                results.append(dict(impl="pipeline_lib", schedule=schedule, m=m,
-                                    step_s=statistics.median(times), stage_s=stage_times))
-                times = torch_pipelining(config, balance, schedule, m, args.warmup,
-                                         args.steps, mesh.rank)
-                results.append(dict(impl="torch.pipelining", schedule=schedule, m=m,
-                                    step_s=statistics.median(times)))
+                our_runner, durations = ours(config, balance, schedule, m, mesh)
+                runners = {"pipeline_lib": our_runner,
+                           "torch.pipelining": torch_pipelining(config, balance, schedule, m,
+                                                                mesh.rank)}
+                times = alternate(runners, args.warmup, args.steps, sync=dist.barrier)
+                stage_s = [statistics.median(durations[(s, "F")])
+                           + statistics.median(durations[(s, "B")])
+                           for s in range(len(balance))] if durations else None
+                for impl, impl_times in times.items():
+                    results.append(dict(impl=impl, schedule=schedule, m=m,
+                                        step_s=statistics.median(impl_times),
+                                        steps_s=impl_times, stage_s=stage_s))
         if mesh.rank == 1:
             Path(args.out).write_text(json.dumps(results))
 
@@ -189,19 +175,19 @@ def ideal_step(stage_s: list[float], m: int) -> float:
 def report(config: Config, balance: list[int], seq1: float, seq2: float,
            runs: list[dict]) -> None:
     tokens = config.batch * config.seq
-    stage_s = {r["m"]: r["stage_s"] for r in runs if r["impl"] == "pipeline_lib"}
-    torch_step = {(r["schedule"], r["m"]): r["step_s"] for r in runs
-                  if r["impl"] == "torch.pipelining"}
+    torch_steps = {(r["schedule"], r["m"]): r["steps_s"] for r in runs
+                   if r["impl"] == "torch.pipelining"}
     rows = [dict(run="sequential, 1 thread", step_s=seq1),
             dict(run="sequential, 2 threads", step_s=seq2)]
     for r in runs:
-        ideal = ideal_step(stage_s[r["m"]], r["m"])
+        ideal = ideal_step(r["stage_s"], r["m"])
         rows.append(dict(run=f"{r['impl']} {SCHEDULES[r['schedule']]}", m=r["m"],
-                         step_s=r["step_s"],
-                         vs_torch_pipelining=torch_step[(r["schedule"], r["m"])] / r["step_s"],
+                         step_s=r["step_s"], steps_s=r["steps_s"],
+                         vs_torch_pipelining=paired_ratio(torch_steps[(r["schedule"], r["m"])],
+                                                          r["steps_s"]),
                          fraction_of_ideal=ideal / r["step_s"],
-                         ideal_speedup=r["m"] * sum(stage_s[r["m"]]) / ideal,
-                         stage_s=stage_s[r["m"]]))
+                         ideal_speedup=r["m"] * sum(r["stage_s"]) / ideal,
+                         stage_s=r["stage_s"]))
     for row in rows:
         row["tokens_per_s"] = tokens / row["step_s"]
         print(json.dumps({**row, "balance": balance, "config": asdict(config)}))
@@ -214,9 +200,15 @@ def report(config: Config, balance: list[int], seq1: float, seq2: float,
         ideal = f"{row['fraction_of_ideal']:.0%}" if "m" in row else ""
         print(f"{row['run']:<30} {m:>3} {row['tokens_per_s']:>10.0f} {row['step_s']:>8.3f} "
               f"{versus:>9} {ideal:>9}")
-    speedups = ", ".join(f"m={m}: {m * sum(s) / ideal_step(s, m):.2f}x (stages "
-                         f"{', '.join(f'{t:.3f}' for t in s)} s)" for m, s in stage_s.items())
-    print(f"Ideal fill-drain speedup over one rank, m·Σt_s / (Σt_s + (m-1)·max t_s) "
+    speedups = ", ".join(
+        f"{SCHEDULES[r['schedule']]} m={r['m']}: {r['m'] * sum(r['stage_s']) / ideal_step(r['stage_s'], r['m']):.2f}x "
+        f"(t_s {', '.join(f'{t:.3f}' for t in r['stage_s'])} s)"
+        for r in runs if r["impl"] == "pipeline_lib")
+    print("vs torch: median over steps of torch.pipelining's step time / this step time, "
+          "the two taking turns step by step.\n"
+          "Ideal: t_s is the median forward + backward time of one micro-batch on stage s, "
+          "measured in pipeline_lib's timelines; a fill-drain step ideally takes "
+          "Σt_s + (m-1)·max t_s, a speedup over one rank of m·Σt_s / (Σt_s + (m-1)·max t_s) "
           f"(p·m/(m+p-1) for equal stages): {speedups}")
 
 

@@ -14,13 +14,13 @@ import copy
 import json
 import platform
 import statistics
-import time
 
 import torch
 from torch import nn
 
 from pipeline_lib import Pipe
 from pipeline_lib.partition import balance_by_time
+from timing import Runner, alternate, paired_ratio  # bench/timing.py, beside this file
 
 
 def transformer_stack(d_model: int, layers: int, heads: int, ff: int) -> nn.Sequential:
@@ -28,16 +28,6 @@ def transformer_stack(d_model: int, layers: int, heads: int, ff: int) -> nn.Sequ
     return nn.Sequential(*[nn.TransformerEncoderLayer(d_model, heads, ff, dropout=0.1,
                                                       batch_first=True)
                            for _ in range(layers)])
-
-
-def timed(step, repeats: int) -> float:
-    step()  # warm-up: allocator, autograd threads
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def ideal_speedup(stage_times: list[float], m: int) -> float:
@@ -64,30 +54,23 @@ def main() -> None:
     loss_fn = nn.MSELoss()
     balance = balance_by_time(model, x[: batch // 8], 2)
 
-    def sequential_step() -> None:
-        model.zero_grad(set_to_none=True)
-        loss_fn(model(x), target).backward()
-
+    sequential = Runner(lambda: loss_fn(model(x), target).backward(),
+                        lambda: model.zero_grad(set_to_none=True))
     rows = []
-    base = timed(sequential_step, repeats)
-    rows.append({"config": "sequential", "schedule": "-", "m": 1, "step_s": base,
-                 "speedup": 1.0})
-
     stage_times = None
     for schedule in ("gpipe", "1f1b"):
         for m in (1, 2, 4, 8):
             pipe = Pipe(copy.deepcopy(model), chunks=m, checkpoint="never", balance=balance)
-
-            def pipe_step() -> None:
-                pipe.zero_grad(set_to_none=True)
-                pipe.step(x, target, loss_fn, schedule)
-
-            seconds = timed(pipe_step, repeats)
+            piped = Runner(lambda: pipe.step(x, target, loss_fn, schedule),
+                           lambda: pipe.zero_grad(set_to_none=True))
+            times = alternate({"sequential": sequential, "pipe": piped}, 1, repeats)
             if stage_times is None:  # m = 1: each stage alone, the whole batch
                 stage_times = [sum(e.duration for e in pipe.timeline.events if e.rank == r)
                                for r in range(2)]
-            rows.append({"config": "pipe", "schedule": schedule, "m": m, "step_s": seconds,
-                         "speedup": base / seconds,
+            rows.append({"schedule": schedule, "m": m,
+                         "step_s": statistics.median(times["pipe"]),
+                         "sequential_step_s": statistics.median(times["sequential"]),
+                         "speedup": paired_ratio(times["sequential"], times["pipe"]),
                          "ideal_equal": 2 * m / (m + 1),
                          "ideal_split": ideal_speedup(stage_times, m),
                          "bubble_measured": pipe.timeline.bubble_fraction()})
@@ -102,14 +85,14 @@ def main() -> None:
         print(json.dumps(row))
 
     print(f"\nSequential (1 thread) vs Pipe.step (2 stage threads x 1 thread), "
-          f"balance {balance}.\nIdeal = m·Σt/(Σt+(m-1)·max t) for the measured stage times "
-          f"t (p·m/(m+p-1) if equal).")
-    print("| schedule | m | step (s) | speedup | ideal | of ideal | bubble |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| sequential | - | {base:.3f} | 1.00 | - | - | - |")
-    for r in rows[1:]:
-        print(f"| {r['schedule']} | {r['m']} | {r['step_s']:.3f} | {r['speedup']:.2f} | "
-              f"{r['ideal_split']:.2f} | {r['of_ideal_split']:.0%} | "
+          f"balance {balance}; speedup = median over turns of sequential / Pipe step time, "
+          f"the two taking turns.\nIdeal = m·Σt/(Σt+(m-1)·max t) for the measured stage "
+          f"times t (p·m/(m+p-1) if equal).")
+    print("| schedule | m | Pipe step (s) | sequential step (s) | speedup | ideal | of ideal | bubble |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['schedule']} | {r['m']} | {r['step_s']:.3f} | {r['sequential_step_s']:.3f} "
+              f"| {r['speedup']:.2f} | {r['ideal_split']:.2f} | {r['of_ideal_split']:.0%} | "
               f"{r['bubble_measured']:.2f} |")
 
 

@@ -53,6 +53,9 @@ a schedule is designed to avoid. Instead, with plain ``isend``/``irecv`` on gloo
    message it is, and each tensor's dtype and shape), so the receiver allocates exactly what
    comes, shapes may change from one micro-batch to the next, and a rank that is not running
    the same program is caught at its first message rather than filling a buffer with garbage.
+4. **Receives are posted early** once shapes are known: a step whose batch has the last
+   step's shapes sends header and tensors as one buffer, into receives posted before they
+   are needed (`p2p` has the details), so a message costs no hand-shake when it is needed.
 
 Data parallelism
 ----------------
@@ -90,9 +93,9 @@ from .checkpoint import check_mode
 from .devices import transfer
 from .mesh import Mesh
 from .microbatch import loss_weights, split
-from .p2p import Message, Transport, describe
+from .p2p import Message, Transport, batch_key, describe
 from .pipe import group_layers
-from .rng import new_step_seed, seed_for
+from .rng import new_step_seed, owned_rng, seed_for
 from .schedules import Action, Schedule, plan, splits_backward
 from .skip import skip_routes
 from .stage import LossFn, StageRunner
@@ -156,12 +159,13 @@ class DistributedPipe:
         on the ranks holding the last stage, None on the others."""
         schedule, mesh = self.schedule, self.mesh
         micro_in, micro_target, weights = self._split(inputs, target)
-        step_seed = self._step_seed()
+        step_seed, key = self._step_seed_and_key(batch_key(inputs, target))
+        self.transport.start_step(key)
         last = schedule.stages - 1
         runners = {s: StageRunner(s, module, mesh.device, self.checkpoint,
                                   schedule.microbatches, step_seed,
                                   loss_fn=loss_fn if s == last else None,
-                                  loss_weights=weights, first=s == 0)
+                                  loss_weights=weights, first=s == 0, rng=owned_rng)
                    for s, module in self.modules.items()}
         self.events = []
         with contextlib.ExitStack() as no_sync:
@@ -196,14 +200,17 @@ class DistributedPipe:
         mine = [w * dp for w in weights[replica * m:(replica + 1) * m]]
         return split(replica_inputs[replica], m), targets[replica], mine
 
-    def _step_seed(self) -> int:
+    def _step_seed_and_key(self, key: int) -> tuple[int, int]:
         """Rank 0's draw, so dropout agrees across stages even if the ranks' random
         generators have drifted apart. Replica 0 uses it as is, like `Pipe.step`; the
-        others derive their own, for dropout masks independent of replica 0's."""
-        seed = torch.tensor([new_step_seed()], dtype=torch.int64, device=self.mesh.device)
-        dist.broadcast(seed, src=0)
-        step_seed = int(seed.item())
-        return step_seed if self.mesh.replica == 0 else seed_for(step_seed, -1, self.mesh.replica)
+        others derive their own, for dropout masks independent of replica 0's. And rank
+        0's `batch_key`, so that all ranks agree on how this step's messages travel."""
+        sent = torch.tensor([new_step_seed(), key], dtype=torch.int64, device=self.mesh.device)
+        dist.broadcast(sent, src=0)
+        step_seed, key = sent.tolist()
+        if self.mesh.replica > 0:
+            step_seed = seed_for(step_seed, -1, self.mesh.replica)
+        return step_seed, key
 
     def _receive(self, action: Action, micro_in: list[Any]) -> Any:
         """What the action consumes: its input (F) or output gradient (B, I)."""
@@ -289,8 +296,11 @@ def simulate_measured(schedule: Schedule, timeline: Timeline) -> Timeline:
     if splits_backward(schedule):
         weight = mean("W")
         backward = [i + w for i, w in zip(mean("I"), weight)]
-        return simulate(schedule, mean("F"), backward, weight)
-    return simulate(schedule, mean("F"), mean("B"))
+        simulated = simulate(schedule, mean("F"), backward, weight)
+    else:
+        simulated = simulate(schedule, mean("F"), mean("B"))
+    simulated.unit = timeline.unit   # the costs were measured in the timeline's unit
+    return simulated
 
 
 def _check_same_everywhere(config: dict) -> None:

@@ -1,4 +1,6 @@
-"""Measure the activation memory each stage holds, over time, during a real step.
+"""Measure memory on any device, CPU included, where allocator statistics do not help.
+
+`SavedActivations`: the activation memory each stage holds, over time, during a real step.
 
 Activation memory is what autograd saves in the forward for the backward. Counting it with
 `torch.autograd.graph.saved_tensors_hooks` works the same on CPU and GPU, unlike allocator
@@ -9,15 +11,30 @@ installed around each call of the stage module (forward hooks), which also catch
 forward that a checkpointed stage replays before its backward. What they do not see:
 the stage *inputs* a checkpointed stage keeps for that replay (one tensor per micro-batch),
 and whatever the loss function saves on the last stage, which runs outside its module.
+
+`PeakTensorMemory`: the peak of tensor memory a block of code allocates. GPUs answer this with ``torch.cuda.max_memory_allocated``; the CPU allocator keeps no such
+statistic. So `PeakTensorMemory` watches every operation PyTorch runs inside the block
+(a ``TorchDispatchMode`` sees them all, forward and backward): each output that does not
+share its storage with an input (an in-place op or a view allocates nothing) is a new
+allocation and counts its storage's bytes until that storage is freed. The peak of that
+running total is the answer: activations, outputs, gradients and temporaries alike.
+
+Not counted: tensors that existed before the block (weights, the batch), and memory
+outside PyTorch's tensors. The number is exact bytes of tensor storage, not the
+allocator's rounded blocks, so it is comparable across machines and repeatable.
 """
 from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 _Key = tuple[int, int]   # (data pointer, bytes) of a saved tensor
 
@@ -114,3 +131,39 @@ class SavedActivations:
         if not hasattr(self._active, "stack"):
             self._active.stack = []
         return self._active.stack
+
+
+class PeakTensorMemory(TorchDispatchMode):
+    """``with PeakTensorMemory() as memory: ...``; then ``memory.peak`` is the most bytes
+    of tensors allocated inside the block that were alive at the same time, and
+    ``memory.current`` what is still alive (the block's results)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._counted: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._lock = threading.Lock()   # frees can arrive from autograd's threads
+
+    def _freed(self, nbytes: int) -> None:
+        with self._lock:
+            self.current -= nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr()
+                  for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, Tensor):
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() in inputs or storage in self._counted:
+                continue
+            nbytes = storage.nbytes()
+            self._counted[storage] = True
+            weakref.finalize(storage, self._freed, nbytes)
+            with self._lock:
+                self.current += nbytes
+                self.peak = max(self.peak, self.current)
+        return out

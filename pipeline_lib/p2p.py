@@ -14,11 +14,21 @@ module is the mechanism:
   shapes may change from micro-batch to micro-batch (an uneven split, a short last batch),
   and a message out of place is an error at once, never a buffer filled with garbage.
   The price, on NCCL: the header is a GPU tensor, and reading it waits for the GPU.
+* That costs two hand-shakes per message, both on the critical path (gloo and NCCL move a
+  message only once its receive is posted). So once a step has shown every message's
+  header, the next step whose batch has the same shapes sends each message as **one**
+  buffer, header and tensors together, and the receiver posts its receives `AHEAD`
+  messages early, at sizes it knows from the last step: the data moves while the
+  receiver computes. The header still travels and is checked; a sender whose output
+  changed shape anyway stops with an error naming the message, never sends a size the
+  receiver did not post.
 """
 from __future__ import annotations
 
+import hashlib
+import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -30,6 +40,8 @@ from .mesh import Mesh
 from .schedules import Schedule
 
 HEADER_SLOTS = 64
+ALIGN = 8    # bytes: every tensor in a one-buffer message starts on a multiple of this
+AHEAD = 2    # one-buffer receives posted per peer before they are needed
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 MessageKind = Literal["activation", "gradient"]
@@ -71,14 +83,22 @@ def describe(value: Any) -> str:
     """``float32[4, 16]``, or a tuple of those: what a message carries, for errors."""
     if isinstance(value, Tensor):
         return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
-    if isinstance(value, tuple):
+    if isinstance(value, (tuple, list)):
         return "(" + ", ".join(describe(v) for v in value) + ")"
     return type(value).__name__
 
 
+def _described(header: list[int]) -> str:
+    """`describe` of the value a header announces."""
+    _, is_tuple, specs = _unpack(header)
+    items = ["None" if spec is None else f"{str(spec[0]).removeprefix('torch.')}{spec[1]}"
+             for spec in specs]
+    return "(" + ", ".join(items) + ")" if is_tuple else items[0]
+
+
 # -- the header ------------------------------------------------------------------------
 
-def _pack(message: Message, value: Any) -> tuple[Tensor, list[Tensor]]:
+def _pack(message: Message, value: Any) -> tuple[list[int], list[Tensor]]:
     """Header ``[kind, stage, micro-batch, is_tuple, items, (present, dtype, ndim,
     *shape) per item]`` and the tensors to send after it. Items of a tuple may be None
     (a gradient for an input that needs none)."""
@@ -100,9 +120,7 @@ def _pack(message: Message, value: Any) -> tuple[Tensor, list[Tensor]]:
         raise ValueError(f"{message} ({describe(value)}) needs a {len(fields)}-slot header, "
                          f"more than p2p.HEADER_SLOTS = {HEADER_SLOTS}: send fewer tensors "
                          f"or tensors of fewer dimensions across stage boundaries")
-    header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
-    header[:len(fields)] = torch.tensor(fields, dtype=torch.int64)
-    return header, tensors
+    return fields + [0] * (HEADER_SLOTS - len(fields)), tensors
 
 
 def _unpack(header: list[int]) -> tuple[Message, bool, list[tuple[torch.dtype, list[int]] | None]]:
@@ -119,6 +137,51 @@ def _unpack(header: list[int]) -> tuple[Message, bool, list[tuple[torch.dtype, l
     return Message(KINDS[kind], stage, microbatch), bool(is_tuple), specs
 
 
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _flat_size(header: list[int]) -> int:
+    """Bytes of the one-buffer form of the message this header describes."""
+    sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in
+             (spec for spec in _unpack(header)[2] if spec is not None)]
+    return _padded(HEADER_SLOTS * 8) + sum(_padded(n) for n in sizes)
+
+
+def _flatten(header: list[int], tensors: list[Tensor], device: torch.device) -> Tensor:
+    """The header, then each tensor's bytes, in one uint8 buffer."""
+    flat = torch.empty(_flat_size(header), dtype=torch.uint8, device=device)
+    flat[:HEADER_SLOTS * 8].copy_(torch.tensor(header, dtype=torch.int64).view(torch.uint8))
+    offset = _padded(HEADER_SLOTS * 8)
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        flat[offset:offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+        offset += _padded(nbytes)
+    return flat
+
+
+def _unflatten(flat: Tensor) -> tuple[list[int], list[Tensor | None]]:
+    """The header, and each item as a view into ``flat``."""
+    header = flat[:HEADER_SLOTS * 8].view(torch.int64).tolist()
+    offset, items = _padded(HEADER_SLOTS * 8), []
+    for spec in _unpack(header)[2]:
+        if spec is None:
+            items.append(None)
+            continue
+        dtype, shape = spec
+        nbytes = math.prod(shape) * dtype.itemsize
+        items.append(flat[offset:offset + nbytes].view(dtype).view(shape))
+        offset += _padded(nbytes)
+    return header, items
+
+
+def batch_key(*values: Any) -> int:
+    """A number that changes when the shapes or dtypes of a step's batch change (and
+    otherwise not): when it is the last step's, so are the shapes of every message."""
+    return int.from_bytes(hashlib.blake2b(describe(values).encode(), digest_size=7).digest(),
+                          "little")
+
+
 # -- the transport ---------------------------------------------------------------------
 
 @dataclass
@@ -131,6 +194,9 @@ class _Inbox:
     order: list[Message]
     pending: deque[Message]
     early: dict[Message, Any]
+    headers: dict[Message, list[int]] = field(default_factory=dict)   # as last received
+    unposted: deque[Message] = field(default_factory=deque)
+    posted: deque[tuple[Message, Tensor, dist.Work]] = field(default_factory=deque)
 
 
 class Transport:
@@ -152,6 +218,18 @@ class Transport:
                                             order, deque(order), {})
         self.in_memory: dict[Message, Any] = {}
         self.sending: list[tuple[dist.Work, Tensor]] = []
+        self.sent_headers: dict[Message, list[int]] = {}
+        self.key: int | None = None    # of the last step's batch
+        self.one_buffer = False        # this step: one buffer per message, posted early
+
+    def start_step(self, key: int) -> None:
+        """``key`` is `batch_key` of this step's batch, the same on every rank: the step
+        reuses the last step's headers if and only if it is the last step's key."""
+        self.one_buffer, self.key = key == self.key, key
+        if self.one_buffer:
+            for inbox in self.inboxes.values():
+                inbox.unposted.extend(inbox.order)
+                self._post_ahead(inbox)
 
     def send(self, dst: int, message: Message, value: Any) -> None:
         """Start sending; never waits. The buffers are kept until `finish_step`."""
@@ -159,8 +237,20 @@ class Transport:
             self.in_memory[message] = value
             return
         header, tensors = _pack(message, value)
+        device = self.mesh.device
+        if not self.one_buffer:
+            self.sent_headers[message] = header
+            buffers = [torch.tensor(header, dtype=torch.int64, device=device), *tensors]
+        elif header == self.sent_headers[message]:
+            buffers = [_flatten(header, tensors, device)]
+        else:
+            raise ProtocolError(
+                f"rank {self.mesh.rank}: {message} is {_described(header)} in this step but "
+                f"was {_described(self.sent_headers[message])} in the last one, although the "
+                f"batch's shapes are the same: a stage whose output shape depends on the "
+                f"values of its input cannot send it to another process")
         peer, group = self.mesh.global_rank(dst), self.mesh.link(self.mesh.pipe_rank, dst)
-        for tensor in [header.to(self.mesh.device), *tensors]:
+        for tensor in buffers:
             self.sending.append((dist.isend(tensor, peer, group=group), tensor))
 
     def receive(self, src: int, message: Message) -> Any:
@@ -175,20 +265,44 @@ class Transport:
         return inbox.early.pop(message)
 
     def _receive_next(self, inbox: _Inbox, expected: Message) -> Any:
-        header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.mesh.device)
-        self._wait(dist.irecv(header, inbox.peer, group=inbox.group), inbox, expected)
-        message, is_tuple, specs = _unpack(header.tolist())
+        if self.one_buffer:
+            message, flat, work = inbox.posted.popleft()
+            assert message == expected, (message, expected)   # both in send order
+            self._wait(work, inbox, expected)
+            self._post_ahead(inbox)
+            header, items = _unflatten(flat)
+            is_tuple = self._check(header, inbox, expected)
+        else:
+            received = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.mesh.device)
+            self._wait(dist.irecv(received, inbox.peer, group=inbox.group), inbox, expected)
+            header = inbox.headers[expected] = received.tolist()
+            is_tuple = self._check(header, inbox, expected)
+            items = [None if spec is None else
+                     torch.empty(spec[1], dtype=spec[0], device=self.mesh.device)
+                     for spec in _unpack(header)[2]]
+            works = [dist.irecv(t, inbox.peer, group=inbox.group)
+                     for t in items if t is not None]
+            for work in works:
+                self._wait(work, inbox, expected)
+        return tuple(items) if is_tuple else items[0]
+
+    def _check(self, header: list[int], inbox: _Inbox, expected: Message) -> bool:
+        """Whether the message is a tuple, once its header says it is the one expected."""
+        message, is_tuple, _ = _unpack(header)
         if message != expected:
             raise ProtocolError(f"rank {self.mesh.rank} expected {expected} from rank "
                                 f"{inbox.peer} but received {message}: the ranks are not "
                                 f"running the same schedule")
-        items = [None if spec is None else
-                 torch.empty(spec[1], dtype=spec[0], device=self.mesh.device)
-                 for spec in specs]
-        works = [dist.irecv(t, inbox.peer, group=inbox.group) for t in items if t is not None]
-        for work in works:
-            self._wait(work, inbox, expected)
-        return tuple(items) if is_tuple else items[0]
+        return is_tuple
+
+    def _post_ahead(self, inbox: _Inbox) -> None:
+        """Keep `AHEAD` one-buffer receives posted, sized by the last step's headers."""
+        while inbox.unposted and len(inbox.posted) < AHEAD:
+            message = inbox.unposted.popleft()
+            flat = torch.empty(_flat_size(inbox.headers[message]), dtype=torch.uint8,
+                               device=self.mesh.device)
+            inbox.posted.append((message, flat,
+                                 dist.irecv(flat, inbox.peer, group=inbox.group)))
 
     def _wait(self, work: dist.Work, inbox: _Inbox, message: Message) -> None:
         try:

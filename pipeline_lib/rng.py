@@ -117,3 +117,24 @@ def microbatch_rng(seed: int, device: torch.device | str = "cpu") -> Iterator[No
     """
     with _PrivateStream(seed, torch.device(device)):
         yield
+
+
+@contextlib.contextmanager
+def owned_rng(seed: int, device: torch.device | str = "cpu") -> Iterator[None]:
+    """`microbatch_rng` for a process whose generators belong to one compute thread (a
+    rank of `pipeline_lib.distributed`): the same random numbers, drawn from the
+    process-wide generators seeded for the block and restored after it, without
+    intercepting every torch call on the way."""
+    device = torch.device(device)
+    cuda = device if device.type == "cuda" else None
+    saved_cpu = torch.get_rng_state()
+    saved_cuda = torch.cuda.get_rng_state(cuda) if cuda else None
+    torch.default_generator.manual_seed(seed)
+    if cuda:
+        torch.cuda.default_generators[cuda.index or 0].manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved_cpu)
+        if cuda:
+            torch.cuda.set_rng_state(saved_cuda, cuda)

@@ -8,7 +8,7 @@ separate and each backward is an explicit call, which is what lets a schedule or
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ContextManager, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -18,6 +18,8 @@ from .rng import microbatch_rng, seed_for
 from .skip import SkipKey, SkipTracker, describe, use_tracker
 
 LossFn = Callable[[Any, Any], Tensor]
+# (seed, device) -> the block in which a micro-batch draws its random numbers
+RandomStream = Callable[[int, torch.device], ContextManager[None]]
 
 
 def flatten(value: Any) -> list[Tensor]:
@@ -53,6 +55,9 @@ class StageRunner:
     output into micro-batch i's share of the batch loss, ``loss_fn(out, target) * w_i``
     (see `microbatch.loss_weights`).
 
+    ``rng`` gives each micro-batch its random stream (`rng.microbatch_rng`, or
+    `rng.owned_rng` where one thread runs every stage of the process).
+
     Skip connections (see `skip`) travel beside the activations: ``forward(..., skips=)``
     takes the tensors this stage pops that earlier stages stashed, and `take_stashed`
     gives what it stashed for later stages; ``backward(..., skip_grads=)`` takes the
@@ -64,10 +69,11 @@ class StageRunner:
     def __init__(self, stage: int, module: nn.Module, device: torch.device,
                  checkpoint: str, microbatches: int, step_seed: int,
                  loss_fn: LossFn | None = None, loss_weights: list[float] | None = None,
-                 first: bool = False):
+                 first: bool = False, rng: RandomStream = microbatch_rng):
         self.stage, self.module, self.device = stage, module, device
         self.checkpoint, self.microbatches, self.step_seed = checkpoint, microbatches, step_seed
         self.loss_fn, self.loss_weights, self.first = loss_fn, loss_weights, first
+        self.rng = rng
         self.inputs: dict[int, Any] = {}
         self.targets: dict[int, Any] = {}
         self.outputs: dict[int, Any] = {}       # graph kept for the backward
@@ -84,7 +90,7 @@ class StageRunner:
     def _run(self, microbatch: int, inputs: Any) -> tuple[Any, dict[SkipKey, Tensor]]:
         """The stage's output and the tensors it stashed for later stages."""
         tracker = SkipTracker(self.skips_in[microbatch])
-        with (microbatch_rng(seed_for(self.step_seed, self.stage, microbatch), self.device),
+        with (self.rng(seed_for(self.step_seed, self.stage, microbatch), self.device),
               use_tracker(tracker)):
             out = self.module(inputs)
             if self.last:

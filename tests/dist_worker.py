@@ -1,10 +1,12 @@
 """One rank of the multi-process tests; `test_distributed.py` launches it with torchrun.
 
-``--scenario schedules --meshes 4x1,2x2 --out DIR``: for each ``pp x dp`` mesh, one step
-of every schedule (and of 1F1B recomputing every micro-batch, and with dropout) on a tiny
-Transformer LM, saving each rank's loss, gradients (by the full model's parameter names)
-and parameters after one SGD step, and rank 0's timeline.
-``raise`` and ``mismatch`` fail on pipe rank 1, to check that every rank stops: in
+``--scenario schedules --meshes 4x1,2x2 --out DIR``: for each ``pp x dp`` mesh, every
+schedule (and 1F1B recomputing every micro-batch, and with dropout) on a tiny Transformer
+LM, saving each rank's loss, gradients (by the full model's parameter names) and
+parameters after one SGD step, and rank 0's timeline. Each runs two steps on one batch and
+saves the second: its messages travel as one buffer each, into receives posted early.
+``shapes`` trains on batches whose sequence length changes, saving every step's loss.
+``raise``, ``mismatch`` and ``reshape`` fail, to check that every rank stops: in
 ``raise``, rank 0 is then in the middle of a 2-minute forward, which only its watchdog
 can interrupt.
 """
@@ -75,8 +77,11 @@ def run_schedules(meshes: list[tuple[int, int]], out: Path) -> None:
             schedule = reordered(MICROBATCHES) if name == "reordered" else name.split("-")[0]
             checkpoint = "always" if name == "1f1b-recompute" else "never"
             pipe = DistributedPipe(model, mesh, balance, MICROBATCHES, schedule, checkpoint)
-            loss = pipe.step(inputs, target, token_loss)
             params = list(pipe.parameters())
+            for _ in range(2):
+                for p in params:
+                    p.grad = None
+                loss = pipe.step(inputs, target, token_loss)
             grads = {names[id(p)]: p.grad.clone() for p in params}
             torch.optim.SGD(params, lr=LR).step()
             tag = f"{pp}x{dp}-{name}"
@@ -104,6 +109,40 @@ class Hiccup(nn.Module):
         return x
 
 
+SEQ_LENGTHS = [SEQ, SEQ, SEQ + 3, SEQ + 3, SEQ]   # a new shape, then back
+
+
+def run_shapes(out: Path) -> None:
+    mesh = init_mesh(2, timeout=60)
+    pipe = DistributedPipe(tiny_lm(), mesh, [4, 4], MICROBATCHES, "1f1b")
+    inputs, target = batch()
+    losses = []
+    for length in SEQ_LENGTHS:
+        for p in pipe.parameters():
+            p.grad = None
+        loss = pipe.step(inputs[:, :length], target[:, :length], token_loss)
+        losses.append(None if loss is None else loss.item())
+    torch.save({"losses": losses}, out / f"shapes-rank{mesh.rank}.pt")
+
+
+class Narrowing(nn.Module):
+    """Keeps the first 4 features from its 5th call on (the second step's first micro-batch):
+    an output shape that changes while the batch's does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x[:, :4] if self.calls >= 5 else x
+
+
+class SumFeatures(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(-1, keepdim=True)
+
+
 def boom() -> None:
     raise RuntimeError("boom: injected failure")
 
@@ -115,16 +154,22 @@ def run_failing(scenario: str) -> None:
         model = nn.Sequential(nn.Linear(8, 8), Hiccup(3, lambda: time.sleep(SLEEP)),
                               nn.Linear(8, 4), Hiccup(2, boom))
         balance = [2, 2]
-    else:  # stage 0 produces 16 features, stage 1 expects 12
+    elif scenario == "mismatch":  # stage 0 produces 16 features, stage 1 expects 12
         model = nn.Sequential(nn.Linear(8, 16), nn.Linear(12, 4))
         balance = [1, 1]
+    else:   # reshape: stage 0's output narrows in the second step
+        model = nn.Sequential(nn.Linear(8, 8), Narrowing(), SumFeatures())
+        balance = [2, 1]
     pipe = DistributedPipe(model, mesh, balance, MICROBATCHES, "gpipe")
-    pipe.step(torch.randn(8, 8), torch.randn(8, 4), F.mse_loss)
+    for _ in range(2):
+        pipe.step(torch.randn(8, 8), torch.randn(8, 1 if scenario == "reshape" else 4),
+                  F.mse_loss)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", choices=["schedules", "raise", "mismatch"])
+    parser.add_argument("--scenario", choices=["schedules", "shapes", "raise", "mismatch",
+                                               "reshape"])
     parser.add_argument("--meshes", default="2x1", help="pp x dp meshes, comma-separated")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -133,6 +178,8 @@ def main() -> None:
         if args.scenario == "schedules":
             meshes = [tuple(int(n) for n in m.split("x")) for m in args.meshes.split(",")]
             run_schedules(meshes, args.out)
+        elif args.scenario == "shapes":
+            run_shapes(args.out)
         else:
             run_failing(args.scenario)
 

@@ -1,8 +1,9 @@
 """The multi-process pipeline computes what one process computes, and fails loudly.
 
 Processes are real: torchrun launches `dist_worker.py` on gloo. Each launch runs every
-schedule once and saves what each rank computed; the tests compare it with unpipelined
-training in this process. Four launches in all (2 and 4 processes, two failures).
+schedule and saves what each rank computed; the tests compare it with unpipelined
+training in this process. Six launches in all (2 and 4 processes, changing shapes, three
+failures).
 """
 from __future__ import annotations
 
@@ -72,12 +73,15 @@ Tensors = dict[str, torch.Tensor]
 
 def reference(name: str, pp: int) -> tuple[float, Tensors, Tensors]:
     """Loss, gradients and parameters after one SGD step of the whole batch, unpipelined;
-    with dropout, by the threaded `Pipe.step`, whose masks the processes must reproduce."""
+    with dropout, by the threaded `Pipe.step`, whose masks the processes must reproduce
+    (in their second step, so this one's too)."""
     inputs, target = worker.batch()
     if name.endswith("dropout"):
         model = worker.tiny_lm(worker.DROPOUT)
         pipe = Pipe(model, worker.MICROBATCHES, "never", [len(model) // pp] * pp)
-        loss = pipe.step(inputs, target, worker.token_loss, "1f1b")
+        for _ in range(2):
+            pipe.zero_grad(set_to_none=True)
+            loss = pipe.step(inputs, target, worker.token_loss, "1f1b")
     else:
         model = worker.tiny_lm()
         loss = worker.token_loss(model(inputs), target)
@@ -152,6 +156,29 @@ def test_shape_mismatch_between_stages_is_reported_not_hung():
     assert "rank 0: stopping because rank 1 failed: RuntimeError: mat1 and mat2" in output
     assert "stage 1's input for micro-batch 0, from stage 0 on pipe rank 0, was " \
            "float32[2, 16]" in output
+
+
+def test_steps_whose_shapes_change_equal_unpipelined_training(tmp_path):
+    """A step with a new shape exchanges headers again; one with the last step's shape
+    sends one buffer per message, into receives sized by the last step."""
+    done, _ = torchrun(2, "--scenario", "shapes", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    model, (inputs, target) = worker.tiny_lm(), worker.batch()
+    with torch.no_grad():
+        expected = [worker.token_loss(model(inputs[:, :n]), target[:, :n]).item()
+                    for n in worker.SEQ_LENGTHS]
+    assert torch.load(tmp_path / "shapes-rank0.pt")["losses"] == [None] * len(expected)
+    assert torch.load(tmp_path / "shapes-rank1.pt")["losses"] == pytest.approx(expected,
+                                                                               rel=1e-5)
+
+
+def test_output_shape_that_changes_without_the_batch_is_reported_not_hung():
+    done, seconds = torchrun(2, "--scenario", "reshape")
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert seconds < 60
+    assert ("rank 0 failed: ProtocolError: rank 0: the activation for stage 1, micro-batch 0 "
+            "is float32[2, 4] in this step but was float32[2, 8] in the last one") in output
 
 
 # -- in-process: the parts that need no second process ---------------------------------

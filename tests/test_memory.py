@@ -1,10 +1,11 @@
-"""SavedActivations counts what a stage really holds for its backward."""
+"""SavedActivations counts what a stage really holds for its backward; PeakTensorMemory
+counts every tensor a block allocates, until it is freed."""
 import pytest
 import torch
 from torch import nn
 
 from pipeline_lib import Pipe, simulate
-from pipeline_lib.memory import SavedActivations
+from pipeline_lib.memory import PeakTensorMemory, SavedActivations
 from pipeline_lib.schedules import build
 
 HIDDEN, ROWS = 8, 3
@@ -74,3 +75,23 @@ def test_hooks_are_removed_on_exit_and_a_tracker_is_used_once():
     out.sum().backward()
     with pytest.raises(RuntimeError, match="measures once"):
         tracker.__enter__()
+
+
+def test_peak_memory_counts_allocations_until_freed_not_views():
+    outside = torch.ones(1000)
+    with PeakTensorMemory() as memory:
+        a = torch.zeros(1000)          # 4000 bytes
+        b = a.view(10, 100)            # a view allocates nothing
+        a.add_(1)                      # nor does an in-place op
+        c = outside * 2                # 4000 more
+        del a, b, c
+        d = torch.zeros(500)           # 2000, after both were freed
+    assert memory.peak == 8000
+    assert memory.current == 2000 == d.nbytes
+
+
+def test_peak_memory_sees_the_backward():
+    weight = torch.ones(1000, requires_grad=True)
+    with PeakTensorMemory() as memory:
+        (weight * 3).sum().backward()
+    assert memory.current >= weight.grad.nbytes

@@ -1,0 +1,32 @@
+"""The two ways of giving a micro-batch its random stream draw the same numbers."""
+import torch
+import torch.nn.functional as F
+
+from pipeline_lib.rng import microbatch_rng, owned_rng
+
+
+def draws() -> list[torch.Tensor]:
+    x = torch.ones(64)
+    return [F.dropout(x, 0.5), torch.rand(3), torch.randn(2, 2), torch.randint(0, 9, (4,))]
+
+
+def test_owned_rng_draws_what_microbatch_rng_draws_and_replays():
+    torch.manual_seed(123)
+    with microbatch_rng(7):
+        private = draws()
+    for _ in range(2):   # entering again with the same seed replays
+        with owned_rng(7):
+            owned = draws()
+        assert all(torch.equal(a, b) for a, b in zip(private, owned))
+    with owned_rng(8):
+        other = draws()
+    assert not torch.equal(private[1], other[1])
+
+
+def test_owned_rng_leaves_the_global_generator_as_it_was():
+    torch.manual_seed(0)
+    expected = torch.rand(5)
+    torch.manual_seed(0)
+    with owned_rng(7):
+        torch.rand(100)
+    assert torch.equal(torch.rand(5), expected)
