@@ -10,7 +10,10 @@ on (step seed, stage, micro-batch): identical across schedules, checkpoint modes
 timings and the threaded and multi-process executors.
 
 The lock is held only for the random op itself (a dropout mask, an attention with
-dropout), not for the matrix multiplies around it.
+dropout), not for the matrix multiplies around it. A process whose stages all run on one
+thread (a rank of the multi-process executor) needs neither the lock nor the interception
+of every torch call: `owned_rng` seeds and restores the process-wide generators instead,
+and draws the same numbers.
 """
 from __future__ import annotations
 
