@@ -36,7 +36,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .launch import backend_for, worker_device
+from .launch import worker_device
+from .mesh import process_group
 from .models import transformer_lm
 from .train import lm_loss
 
@@ -193,13 +194,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not (args.workdir / "ddp_setup.pt").exists():
         parser.error(f"{args.workdir} has no ddp_setup.pt: write it with write_ddp_setup()")
     setup = torch.load(args.workdir / "ddp_setup.pt")
-    device = worker_device()
-    dist.init_process_group(backend_for(device))
-    try:
-        replica = _train(setup, device)
+    with process_group():
+        replica = _train(setup, worker_device())
         torch.save(vars(replica), args.workdir / f"ddp_rank{dist.get_rank()}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.schedules import _ComputationType
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from .launch import backend_for, worker_device
+from .launch import worker_device
+from .mesh import process_group
 from .models import transformer_lm
 from .schedules import Action, Schedule
 from .timeline import Event, Timeline
@@ -253,16 +254,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"{args.workdir} has no setup.pt: write one with write_setup()")
     setup = torch.load(args.workdir / "setup.pt")
     device = worker_device()
-    dist.init_process_group(backend_for(device))
-    try:
+    with process_group():
         for schedule, split in runs:
             result = _run(setup, schedule, split, args.microbatches, args.steps, device)
             folder = _folder(args.workdir, schedule, split)
             folder.mkdir(exist_ok=True)
             torch.save(result, folder / f"rank{dist.get_rank()}.pt")
             dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 # -- PyTorch's schedules as our Schedule --------------------------------------------------
