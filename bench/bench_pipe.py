@@ -20,7 +20,7 @@ from torch import nn
 
 from pipeline_lib import Pipe
 from pipeline_lib.partition import balance_by_time
-from timing import Runner, alternate, paired_ratio  # bench/timing.py, beside this file
+from timing import Runner, alternate, keep_freed_memory, paired_ratio  # bench/timing.py, beside this file
 
 
 def transformer_stack(d_model: int, layers: int, heads: int, ff: int) -> nn.Sequential:
@@ -41,7 +41,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, one repeat")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="leave glibc's defaults, which fault every step's activations "
+                             "in again (see timing.keep_freed_memory)")
     args = parser.parse_args()
+    allocator = "glibc defaults" if args.system_malloc else (
+        "glibc, freed memory kept" if keep_freed_memory() else "system")
 
     torch.set_num_threads(1)  # one intra-op thread per stage thread
     if args.quick:
@@ -77,7 +82,7 @@ def main() -> None:
             rows[-1]["of_ideal_split"] = rows[-1]["speedup"] / rows[-1]["ideal_split"]
 
     meta = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "threads_per_stage": 1, "model": f"{layers}x TransformerEncoderLayer d={d_model} "
+            "threads_per_stage": 1, "allocator": allocator, "model": f"{layers}x TransformerEncoderLayer d={d_model} "
             f"h={heads} ff={ff}", "batch": batch, "seq": seq, "balance": balance,
             "stage_times_s": stage_times}
     print(json.dumps({"meta": meta}))
@@ -85,7 +90,7 @@ def main() -> None:
         print(json.dumps(row))
 
     print(f"\nSequential (1 thread) vs Pipe.step (2 stage threads x 1 thread), "
-          f"balance {balance}; speedup = median over turns of sequential / Pipe step time, "
+          f"balance {balance}, allocator: {allocator}; speedup = median over turns of sequential / Pipe step time, "
           f"the two taking turns.\nIdeal = m·Σt/(Σt+(m-1)·max t) for the measured stage "
           f"times t (p·m/(m+p-1) if equal).")
     print("| schedule | m | Pipe step (s) | sequential step (s) | speedup | ideal | of ideal | bubble |")

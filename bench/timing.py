@@ -7,6 +7,7 @@ per-turn ratios.
 """
 from __future__ import annotations
 
+import ctypes
 import statistics
 import time
 from dataclasses import dataclass
@@ -45,3 +46,24 @@ def alternate(runners: dict[str, Runner], warmup: int, steps: int,
 def paired_ratio(baseline: list[float], other: list[float]) -> float:
     """How many times faster ``other`` is than ``baseline``, turn by turn, median."""
     return statistics.median(b / o for b, o in zip(baseline, other))
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed memory mapped instead of returning it after every step.
+
+    By default glibc serves blocks above 128 KiB with their own mmap, trims the heap's
+    free top and deletes a thread arena's emptied heaps, so every training step faults its
+    activations' pages in again: about 300 000 minor page faults per step of bench_pipe's
+    model, sequential or pipelined, and the stage threads fault into one shared address
+    space. Raising the mmap and trim thresholds and the top pad (what
+    MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ and MALLOC_TOP_PAD_ do; caching
+    allocators such as jemalloc keep memory by design) leaves a few dozen faults per step.
+    Returns False where the C library is not glibc.
+    """
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    return all(mallopt(option, value) == 1 for option, value in [
+        (m_mmap_threshold, 32 << 20), (m_trim_threshold, 1 << 30), (m_top_pad, 512 << 20)])

@@ -9,11 +9,13 @@ random op it calls swaps its private state in and out under a lock. Masks then d
 on (step seed, stage, micro-batch): identical across schedules, checkpoint modes, thread
 timings and the threaded and multi-process executors.
 
-The lock is held only for the random op itself (a dropout mask, an attention with
-dropout), not for the matrix multiplies around it. A process whose stages all run on one
-thread (a rank of the multi-process executor) needs neither the lock nor the interception
-of every torch call: `owned_rng` seeds and restores the process-wide generators instead,
-and draws the same numbers.
+CPU dropout, by far the most common random op, is computed from the stream's own
+generator and takes no lock: stage threads draw their masks at the same time. Other
+random ops swap their stream into the process-wide generator under a lock held for that
+op only (for an attention with dropout, that includes its projections). A process whose
+stages all run on one thread (a rank of the multi-process executor) needs neither the
+lock nor the interception of every torch call: `owned_rng` seeds and restores the
+process-wide generators instead, and draws the same numbers.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 _LOCK = threading.Lock()
@@ -75,39 +78,57 @@ def new_step_seed() -> int:
     return int(torch.randint(0, 2**62, ()).item())
 
 
+def _cpu_dropout(args: tuple, kwargs: dict, generator: torch.Generator) -> Tensor | None:
+    """`F.dropout` of a CPU tensor, drawn from ``generator`` with no lock: what PyTorch's
+    CPU kernel computes (a Bernoulli(1 - p) noise tensor, scaled, multiplied in), with
+    the same numbers for the same generator state. None where the call is not that."""
+    x = _argument(args, kwargs, "input", 0, None)
+    p = _argument(args, kwargs, "p", 1, 0.5)
+    training = _argument(args, kwargs, "training", 2, True)
+    inplace = _argument(args, kwargs, "inplace", 3, False)
+    if not (isinstance(x, Tensor) and x.device.type == "cpu" and training and 0 < p < 1
+            and type(x) is Tensor):
+        return None
+    noise = torch.empty_like(x).bernoulli_(1 - p, generator=generator).div_(1 - p)
+    return x.mul_(noise) if inplace else x * noise
+
+
 class _PrivateStream(TorchFunctionMode):
     def __init__(self, seed: int, device: torch.device):
         super().__init__()
         self.seed = seed
         self.cuda = device if device.type == "cuda" else None
-        self.cpu_state: torch.Tensor | None = None   # made on the first random op
-        self.cuda_state: torch.Tensor | None = None
+        self.cpu: torch.Generator | None = None   # made on the first random op
+        self.gpu: torch.Generator | None = None
 
     def _start(self) -> None:
-        self.cpu_state = torch.Generator().manual_seed(self.seed).get_state()
+        self.cpu = torch.Generator().manual_seed(self.seed)
         if self.cuda:
-            generator = torch.Generator(device=self.cuda).manual_seed(self.seed)
-            self.cuda_state = generator.get_state()
+            self.gpu = torch.Generator(device=self.cuda).manual_seed(self.seed)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not _draws_random(func, args, kwargs):
             return func(*args, **kwargs)
-        if self.cpu_state is None:
+        if self.cpu is None:
             self._start()
+        if func is F.dropout:
+            out = _cpu_dropout(args, kwargs, self.cpu)
+            if out is not None:
+                return out
         with _LOCK:
             saved_cpu = torch.get_rng_state()
-            torch.set_rng_state(self.cpu_state)
+            torch.set_rng_state(self.cpu.get_state())
             if self.cuda:
                 saved_cuda = torch.cuda.get_rng_state(self.cuda)
-                torch.cuda.set_rng_state(self.cuda_state, self.cuda)
+                torch.cuda.set_rng_state(self.gpu.get_state(), self.cuda)
             try:
                 return func(*args, **kwargs)
             finally:
-                self.cpu_state = torch.get_rng_state()
+                self.cpu.set_state(torch.get_rng_state())
                 torch.set_rng_state(saved_cpu)
                 if self.cuda:
-                    self.cuda_state = torch.cuda.get_rng_state(self.cuda)
+                    self.gpu.set_state(torch.cuda.get_rng_state(self.cuda))
                     torch.cuda.set_rng_state(saved_cuda, self.cuda)
 
 

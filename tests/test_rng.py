@@ -1,7 +1,10 @@
 """The two ways of giving a micro-batch its random stream draw the same numbers."""
+import threading
+
 import torch
 import torch.nn.functional as F
 
+from pipeline_lib import rng
 from pipeline_lib.rng import microbatch_rng, owned_rng
 
 
@@ -30,3 +33,23 @@ def test_owned_rng_leaves_the_global_generator_as_it_was():
     with owned_rng(7):
         torch.rand(100)
     assert torch.equal(torch.rand(5), expected)
+
+
+def test_cpu_dropout_matches_pytorch_and_takes_no_lock():
+    """Stage threads draw CPU dropout masks at the same time: with the lock held
+    elsewhere, a stream still draws, and draws what PyTorch's own dropout would."""
+    x = torch.randn(8, 16)
+    with owned_rng(3):
+        expected = [F.dropout(x.clone(), 0.3, True, inplace) for inplace in (False, True)]
+    result: list[torch.Tensor] = []
+
+    def draw() -> None:
+        with microbatch_rng(3):
+            result.extend(F.dropout(x.clone(), 0.3, True, inplace) for inplace in (False, True))
+
+    with rng._LOCK:
+        thread = threading.Thread(target=draw, daemon=True)
+        thread.start()
+        thread.join(timeout=10)
+    assert not thread.is_alive(), "CPU dropout waited for the stream lock"
+    assert all(torch.equal(a, b) for a, b in zip(expected, result))
