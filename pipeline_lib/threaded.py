@@ -58,7 +58,9 @@ def run_programs(programs: list[list[Action]], devices: list[torch.device],
     end time is taken, so the timeline shows when the device really worked rather than
     when kernels were queued.
     """
-    grad_enabled = torch.is_grad_enabled()  # grad mode is per thread: hand it on
+    # grad mode and the intra-op thread count are per thread: hand them on (a new thread
+    # would start with OpenMP's default, one thread per core, in its first matmuls)
+    grad_enabled, intra_op_threads = torch.is_grad_enabled(), torch.get_num_threads()
     errors: list[tuple[int, Action | None, BaseException]] = []
     events: list[Event] = []
     t0 = time.perf_counter()
@@ -67,6 +69,7 @@ def run_programs(programs: list[list[Action]], devices: list[torch.device],
         device = devices[rank]
         action = None
         try:
+            torch.set_num_threads(intra_op_threads)
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             with torch.set_grad_enabled(grad_enabled):
