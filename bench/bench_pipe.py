@@ -4,8 +4,13 @@ Two stages, each on its own thread with one intra-op thread, against the same mo
 trained without a pipeline on one thread. Prints one JSON line per configuration, then a
 table of speedups next to the ideal of a fill-drain pipeline.
 
-    python bench/bench_pipe.py            # the README's table (about a minute)
-    python bench/bench_pipe.py --quick    # smoke test
+    python bench/bench_pipe.py                       # the README's table (~15 minutes)
+    python bench/bench_pipe.py --batch 32 --microbatches 8 --repeats 10
+                                                     # micro-batches half as big
+    python bench/bench_pipe.py --quick               # smoke test
+
+Each configuration also times the same micro-batches one after another on one thread:
+what smaller kernels cost before any pipelining.
 """
 from __future__ import annotations
 
@@ -41,6 +46,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, one repeat")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--batch", type=int, default=64, help="sequences per mini-batch")
     parser.add_argument("--system-malloc", action="store_true",
                         help="leave glibc's defaults, which fault every step's activations "
                              "in again (see timing.keep_freed_memory)")
@@ -52,53 +59,68 @@ def main() -> None:
     if args.quick:
         d_model, layers, heads, ff, batch, seq, repeats = 64, 4, 4, 128, 16, 16, 1
     else:
-        d_model, layers, heads, ff, batch, seq, repeats = 512, 8, 8, 2048, 32, 64, args.repeats
+        d_model, layers, heads, ff, batch, seq = 512, 8, 8, 2048, args.batch, 64
+        repeats = args.repeats
     model = transformer_stack(d_model, layers, heads, ff)
     x = torch.randn(batch, seq, d_model)
     target = torch.randn(batch, seq, d_model)
     loss_fn = nn.MSELoss()
-    balance = balance_by_time(model, x[: batch // 8], 2)
+    balance = balance_by_time(model, x[: batch // max(args.microbatches)], 2)
 
-    sequential = Runner(lambda: loss_fn(model(x), target).backward(),
-                        lambda: model.zero_grad(set_to_none=True))
+    def zero_grad() -> None:
+        model.zero_grad(set_to_none=True)
+
+    def accumulate(m: int) -> None:
+        """The pipeline's work on one thread: the same micro-batches, one after another."""
+        for xi, ti in zip(x.chunk(m), target.chunk(m)):
+            (loss_fn(model(xi), ti) * len(xi) / len(x)).backward()
+
+    sequential = Runner(lambda: loss_fn(model(x), target).backward(), zero_grad)
     rows = []
     stage_times = None
     for schedule in ("gpipe", "1f1b"):
-        for m in (1, 2, 4, 8):
+        for m in args.microbatches:
             pipe = Pipe(copy.deepcopy(model), chunks=m, checkpoint="never", balance=balance)
             piped = Runner(lambda: pipe.step(x, target, loss_fn, schedule),
                            lambda: pipe.zero_grad(set_to_none=True))
-            times = alternate({"sequential": sequential, "pipe": piped}, 1, repeats)
-            if stage_times is None:  # m = 1: each stage alone, the whole batch
+            accumulated = Runner(lambda: accumulate(m), zero_grad)
+            times = alternate({"sequential": sequential, "pipe": piped,
+                               "accumulated": accumulated}, 1, repeats)
+            if stage_times is None:  # the stages' shares of the work
                 stage_times = [sum(e.duration for e in pipe.timeline.events if e.rank == r)
                                for r in range(2)]
             rows.append({"schedule": schedule, "m": m,
                          "step_s": statistics.median(times["pipe"]),
                          "sequential_step_s": statistics.median(times["sequential"]),
                          "speedup": paired_ratio(times["sequential"], times["pipe"]),
+                         "micro_batching": paired_ratio(times["sequential"],
+                                                        times["accumulated"]),
                          "ideal_equal": 2 * m / (m + 1),
                          "ideal_split": ideal_speedup(stage_times, m),
                          "bubble_measured": pipe.timeline.bubble_fraction()})
             rows[-1]["of_ideal_split"] = rows[-1]["speedup"] / rows[-1]["ideal_split"]
 
     meta = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "threads_per_stage": 1, "allocator": allocator, "model": f"{layers}x TransformerEncoderLayer d={d_model} "
-            f"h={heads} ff={ff}", "batch": batch, "seq": seq, "balance": balance,
-            "stage_times_s": stage_times}
+            "threads_per_stage": 1, "allocator": allocator,
+            "model": f"{layers}x TransformerEncoderLayer d={d_model} h={heads} ff={ff}",
+            "batch": batch, "seq": seq, "balance": balance, "stage_times_s": stage_times}
     print(json.dumps({"meta": meta}))
     for row in rows:
         print(json.dumps(row))
 
-    print(f"\nSequential (1 thread) vs Pipe.step (2 stage threads x 1 thread), "
-          f"balance {balance}, allocator: {allocator}; speedup = median over turns of sequential / Pipe step time, "
-          f"the two taking turns.\nIdeal = m·Σt/(Σt+(m-1)·max t) for the measured stage "
-          f"times t (p·m/(m+p-1) if equal).")
-    print("| schedule | m | Pipe step (s) | sequential step (s) | speedup | ideal | of ideal | bubble |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"\nSequential (1 thread) vs Pipe.step (2 stage threads x 1 thread), balance "
+          f"{balance}, allocator: {allocator}. Speedup = median over turns of sequential / "
+          f"Pipe step time, the runs taking turns. Ideal = m·Σt/(Σt+(m-1)·max t) for the "
+          f"measured stage times t (p·m/(m+p-1) if equal). Micro-batching = sequential / "
+          f"the same m micro-batches one after another on one thread: what smaller "
+          f"kernels cost before any pipelining.")
+    print("| schedule | m | Pipe step (s) | sequential step (s) | speedup | ideal | of ideal "
+          "| micro-batching | bubble |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['schedule']} | {r['m']} | {r['step_s']:.3f} | {r['sequential_step_s']:.3f} "
               f"| {r['speedup']:.2f} | {r['ideal_split']:.2f} | {r['of_ideal_split']:.0%} | "
-              f"{r['bubble_measured']:.2f} |")
+              f"{r['micro_batching']:.2f} | {r['bubble_measured']:.2f} |")
 
 
 if __name__ == "__main__":
