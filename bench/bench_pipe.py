@@ -76,8 +76,12 @@ def main() -> None:
             (loss_fn(model(xi), ti) * len(xi) / len(x)).backward()
 
     sequential = Runner(lambda: loss_fn(model(x), target).backward(), zero_grad)
+    probe = Pipe(copy.deepcopy(model), chunks=1, checkpoint="never", balance=balance)
+    for _ in range(2):  # warm-up, then each stage alone on the whole batch
+        probe.step(x, target, loss_fn, "gpipe")
+    stage_times = [sum(e.duration for e in probe.timeline.events if e.rank == r)
+                   for r in range(2)]
     rows = []
-    stage_times = None
     for schedule in ("gpipe", "1f1b"):
         for m in args.microbatches:
             pipe = Pipe(copy.deepcopy(model), chunks=m, checkpoint="never", balance=balance)
@@ -86,9 +90,6 @@ def main() -> None:
             accumulated = Runner(lambda: accumulate(m), zero_grad)
             times = alternate({"sequential": sequential, "pipe": piped,
                                "accumulated": accumulated}, 1, repeats)
-            if stage_times is None:  # the stages' shares of the work
-                stage_times = [sum(e.duration for e in pipe.timeline.events if e.rank == r)
-                               for r in range(2)]
             rows.append({"schedule": schedule, "m": m,
                          "step_s": statistics.median(times["pipe"]),
                          "sequential_step_s": statistics.median(times["sequential"]),

@@ -51,8 +51,9 @@ def paired_ratio(baseline: list[float], other: list[float]) -> float:
 def keep_freed_memory() -> bool:
     """Make glibc keep freed memory mapped instead of returning it after every step.
 
-    By default glibc serves blocks above 128 KiB with their own mmap, trims the heap's
-    free top and deletes a thread arena's emptied heaps, so every training step faults its
+    By default glibc serves large blocks with their own mmap (above a threshold that
+    starts at 128 KiB and rises as such blocks are freed), trims the heap's free top and
+    deletes a thread arena's emptied heaps, so every training step faults its
     activations' pages in again: about 300 000 minor page faults per step of bench_pipe's
     model, sequential or pipelined, and the stage threads fault into one shared address
     space. Raising the mmap and trim thresholds and the top pad (what
@@ -65,5 +66,6 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    return all(mallopt(option, value) == 1 for option, value in [
-        (m_mmap_threshold, 32 << 20), (m_trim_threshold, 1 << 30), (m_top_pad, 512 << 20)])
+    taken = [mallopt(option, value) == 1 for option, value in [
+        (m_mmap_threshold, 32 << 20), (m_trim_threshold, 1 << 30), (m_top_pad, 512 << 20)]]
+    return all(taken)

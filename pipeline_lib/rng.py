@@ -34,7 +34,7 @@ _LOCK = threading.Lock()
 # Functions that draw random numbers. Ops nested inside another torch function are not
 # seen by a function mode, hence multi_head_attention_forward (its attention dropout).
 _ALWAYS_RANDOM = {
-    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+    F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
     F.feature_alpha_dropout, F.rrelu, F.gumbel_softmax,
     torch.bernoulli, torch.rand, torch.rand_like, torch.randn, torch.randn_like,
     torch.randint, torch.randint_like, torch.randperm, torch.normal, torch.poisson,
@@ -43,10 +43,12 @@ _ALWAYS_RANDOM = {
     torch.Tensor.random_, torch.Tensor.exponential_, torch.Tensor.geometric_,
     torch.Tensor.log_normal_, torch.Tensor.cauchy_,
 }
-# function -> positions of its (dropout_p, training) arguments; None: always training
+# function -> name, position and default of its dropout probability, and the position of
+# its ``training`` argument (None: always training). Evaluation draws nothing.
 _RANDOM_IF_DROPOUT = {
-    F.scaled_dot_product_attention: (4, None),
-    F.multi_head_attention_forward: (10, 13),
+    F.dropout: ("p", 1, 0.5, 2),
+    F.scaled_dot_product_attention: ("dropout_p", 4, 0.0, None),
+    F.multi_head_attention_forward: ("dropout_p", 10, 0.0, 13),
 }
 
 
@@ -59,11 +61,11 @@ def _argument(args: tuple, kwargs: dict, name: str, position: int | None, defaul
 def _draws_random(func: Callable, args: tuple, kwargs: dict) -> bool:
     if func in _ALWAYS_RANDOM:
         return True
-    positions = _RANDOM_IF_DROPOUT.get(func)
-    if positions is None:
+    if func not in _RANDOM_IF_DROPOUT:
         return False
-    dropout_p = _argument(args, kwargs, "dropout_p", positions[0], 0.0)
-    training = _argument(args, kwargs, "training", positions[1], True)
+    name, position, default, training_position = _RANDOM_IF_DROPOUT[func]
+    dropout_p = _argument(args, kwargs, name, position, default)
+    training = _argument(args, kwargs, "training", training_position, True)
     return bool(dropout_p) and bool(training)
 
 
@@ -79,15 +81,15 @@ def new_step_seed() -> int:
 
 
 def _cpu_dropout(args: tuple, kwargs: dict, generator: torch.Generator) -> Tensor | None:
-    """`F.dropout` of a CPU tensor, drawn from ``generator`` with no lock: what PyTorch's
-    CPU kernel computes (a Bernoulli(1 - p) noise tensor, scaled, multiplied in), with
-    the same numbers for the same generator state. None where the call is not that."""
+    """A training-mode `F.dropout` of a CPU tensor, drawn from ``generator`` with no lock:
+    what PyTorch's CPU kernel computes (a Bernoulli(1 - p) noise tensor, scaled,
+    multiplied in), with the same numbers for the same generator state. None where the
+    call is not that (another device, a tensor subclass, a tensor-valued or edge ``p``)."""
     x = _argument(args, kwargs, "input", 0, None)
     p = _argument(args, kwargs, "p", 1, 0.5)
-    training = _argument(args, kwargs, "training", 2, True)
     inplace = _argument(args, kwargs, "inplace", 3, False)
-    if not (isinstance(x, Tensor) and x.device.type == "cpu" and training and 0 < p < 1
-            and type(x) is Tensor):
+    if not (type(x) is Tensor and x.device.type == "cpu" and isinstance(p, (int, float))
+            and 0 < p < 1):
         return None
     noise = torch.empty_like(x).bernoulli_(1 - p, generator=generator).div_(1 - p)
     return x.mul_(noise) if inplace else x * noise

@@ -51,5 +51,23 @@ def test_cpu_dropout_matches_pytorch_and_takes_no_lock():
         thread = threading.Thread(target=draw, daemon=True)
         thread.start()
         thread.join(timeout=10)
-    assert not thread.is_alive(), "CPU dropout waited for the stream lock"
+        assert not thread.is_alive(), "CPU dropout waited for the stream lock"
+    assert len(result) == 2
     assert all(torch.equal(a, b) for a, b in zip(expected, result))
+
+
+def test_dropout_in_evaluation_draws_nothing_and_takes_no_lock():
+    x = torch.randn(8, 16)
+    outputs: list[torch.Tensor] = []
+
+    def evaluate() -> None:
+        with microbatch_rng(3):
+            outputs.append(F.dropout(x, 0.3, training=False))
+            outputs.append(F.dropout(x, 0.0))
+
+    with rng._LOCK:
+        thread = threading.Thread(target=evaluate, daemon=True)
+        thread.start()
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "dropout that draws nothing waited for the stream lock"
+    assert len(outputs) == 2 and all(torch.equal(o, x) for o in outputs)
