@@ -59,7 +59,8 @@ def keep_freed_memory() -> bool:
     space. Raising the mmap and trim thresholds and the top pad (what
     MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ and MALLOC_TOP_PAD_ do; caching
     allocators such as jemalloc keep memory by design) leaves a few dozen faults per step.
-    Returns False where the C library is not glibc.
+    Blocks of 32 MiB and more (glibc's largest threshold) are still mapped each time.
+    Returns False unless glibc took every setting.
     """
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt

@@ -1,5 +1,6 @@
 """The two ways of giving a micro-batch its random stream draw the same numbers."""
 import threading
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,15 @@ def test_owned_rng_leaves_the_global_generator_as_it_was():
     assert torch.equal(torch.rand(5), expected)
 
 
+def run_while_locked(work: Callable[[], None]) -> None:
+    """Run ``work`` on another thread while this one holds the streams' lock."""
+    with rng._LOCK:
+        thread = threading.Thread(target=work, daemon=True)
+        thread.start()
+        thread.join(timeout=10)
+        assert not thread.is_alive(), f"{work.__name__} waited for the stream lock"
+
+
 def test_cpu_dropout_matches_pytorch_and_takes_no_lock():
     """Stage threads draw CPU dropout masks at the same time: with the lock held
     elsewhere, a stream still draws, and draws what PyTorch's own dropout would."""
@@ -47,11 +57,7 @@ def test_cpu_dropout_matches_pytorch_and_takes_no_lock():
         with microbatch_rng(3):
             result.extend(F.dropout(x.clone(), 0.3, True, inplace) for inplace in (False, True))
 
-    with rng._LOCK:
-        thread = threading.Thread(target=draw, daemon=True)
-        thread.start()
-        thread.join(timeout=10)
-        assert not thread.is_alive(), "CPU dropout waited for the stream lock"
+    run_while_locked(draw)
     assert len(result) == 2
     assert all(torch.equal(a, b) for a, b in zip(expected, result))
 
@@ -65,9 +71,5 @@ def test_dropout_in_evaluation_draws_nothing_and_takes_no_lock():
             outputs.append(F.dropout(x, 0.3, training=False))
             outputs.append(F.dropout(x, 0.0))
 
-    with rng._LOCK:
-        thread = threading.Thread(target=evaluate, daemon=True)
-        thread.start()
-        thread.join(timeout=10)
-        assert not thread.is_alive(), "dropout that draws nothing waited for the stream lock"
+    run_while_locked(evaluate)
     assert len(outputs) == 2 and all(torch.equal(o, x) for o in outputs)
