@@ -4,18 +4,19 @@ Dropout draws from the *process-wide* generator of its device. With one thread p
 stage, the order in which stage threads draw would change from run to run, and a
 checkpointed stage could not replay its masks (another thread may draw between "restore
 state" and "recompute"). So each (stage, micro-batch) gets a private random stream,
-seeded from the step's seed: while a stage thread runs inside `microbatch_rng`, every
-random op it calls swaps its private state in and out under a lock. Masks then depend only
-on (step seed, stage, micro-batch): identical across schedules, checkpoint modes, thread
-timings and the threaded and multi-process executors.
+seeded from the step's seed. While a stage thread runs inside `microbatch_rng`, every
+torch function that draws random numbers (dropout, an attention with dropout, `rand`, ...)
+draws from the stream: its random kernels get the stream's own generator, so stage
+threads draw at the same time, with no lock, the numbers PyTorch's kernel would draw from
+the process-wide generator in the same state. Masks then depend only on (step seed,
+stage, micro-batch): identical across schedules, checkpoint modes, thread timings and the
+threaded and multi-process executors. Kernels that take no generator (CUDA's fused
+dropout and attention, `torch.rand`'s) swap the stream into the process-wide generators
+under a lock held for that kernel only.
 
-CPU dropout, by far the most common random op, is computed from the stream's own
-generator and takes no lock: stage threads draw their masks at the same time. Other
-random ops swap their stream into the process-wide generator under a lock held for that
-op only (for an attention with dropout, that includes its projections). A process whose
-stages all run on one thread (a rank of the multi-process executor) needs neither the
-lock nor the interception of every torch call: `owned_rng` seeds and restores the
-process-wide generators instead, and draws the same numbers.
+A process whose stages all run on one thread (a rank of the multi-process executor) needs
+neither the interception of every torch call nor the lock: `owned_rng` seeds and restores
+the process-wide generators instead, and draws the same numbers.
 """
 from __future__ import annotations
 
@@ -28,11 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _LOCK = threading.Lock()
 
-# Functions that draw random numbers. Ops nested inside another torch function are not
-# seen by a function mode, hence multi_head_attention_forward (its attention dropout).
+# Functions that draw random numbers. A function mode does not see the torch calls nested
+# inside another torch function, hence multi_head_attention_forward (its attention dropout).
 _ALWAYS_RANDOM = {
     F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
     F.feature_alpha_dropout, F.rrelu, F.gumbel_softmax,
@@ -80,22 +82,24 @@ def new_step_seed() -> int:
     return int(torch.randint(0, 2**62, ()).item())
 
 
-def _cpu_dropout(args: tuple, kwargs: dict, generator: torch.Generator) -> Tensor | None:
-    """A training-mode `F.dropout` of a CPU tensor, drawn from ``generator`` with no lock:
-    what PyTorch's CPU kernel computes (a Bernoulli(1 - p) noise tensor, scaled,
-    multiplied in), with the same numbers for the same generator state. None where the
-    call is not that (another device, a tensor subclass, a tensor-valued or edge ``p``)."""
-    x = _argument(args, kwargs, "input", 0, None)
-    p = _argument(args, kwargs, "p", 1, 0.5)
-    inplace = _argument(args, kwargs, "inplace", 3, False)
-    if not (type(x) is Tensor and x.device.type == "cpu" and isinstance(p, (int, float))
-            and 0 < p < 1):
-        return None
-    noise = torch.empty_like(x).bernoulli_(1 - p, generator=generator).div_(1 - p)
-    return x.mul_(noise) if inplace else x * noise
+def _generator_slot(op: torch._ops.OpOverload) -> int | None:
+    """Position of ``op``'s ``generator`` argument, None if it takes none."""
+    return next((k for k, a in enumerate(op._schema.arguments) if a.name == "generator"),
+                None)
+
+
+def _device_of(args: tuple, kwargs: dict) -> torch.device:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Tensor):
+            return value.device
+    return torch.device(kwargs.get("device") or "cpu")
 
 
 class _PrivateStream(TorchFunctionMode):
+    """Seen from a stage thread: every torch function it calls. A function that draws
+    random numbers (`_draws_random`) runs under `_SeededOps`, which hands each of its
+    random kernels the stream's generator."""
+
     def __init__(self, seed: int, device: torch.device):
         super().__init__()
         self.seed = seed
@@ -103,21 +107,30 @@ class _PrivateStream(TorchFunctionMode):
         self.cpu: torch.Generator | None = None   # made on the first random op
         self.gpu: torch.Generator | None = None
 
-    def _start(self) -> None:
-        self.cpu = torch.Generator().manual_seed(self.seed)
-        if self.cuda:
-            self.gpu = torch.Generator(device=self.cuda).manual_seed(self.seed)
-
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not _draws_random(func, args, kwargs):
             return func(*args, **kwargs)
         if self.cpu is None:
-            self._start()
-        if func is F.dropout:
-            out = _cpu_dropout(args, kwargs, self.cpu)
-            if out is not None:
-                return out
+            self.cpu = torch.Generator().manual_seed(self.seed)
+            if self.cuda:
+                self.gpu = torch.Generator(device=self.cuda).manual_seed(self.seed)
+        with _SeededOps(self):
+            return func(*args, **kwargs)
+
+    def draw(self, op: torch._ops.OpOverload, args: tuple, kwargs: dict):
+        """Run the random kernel ``op`` on this stream: with the stream's generator where
+        it takes one (no lock: stage threads draw at the same time), else with the stream
+        swapped into the process-wide generators under the lock, for this kernel only."""
+        slot, device = _generator_slot(op), _device_of(args, kwargs)
+        generator = {"cpu": self.cpu, "cuda": self.gpu}.get(device.type)
+        if slot is not None and generator is not None and generator.device == device:
+            if slot < len(args):
+                if args[slot] is None:
+                    args = (*args[:slot], generator, *args[slot + 1:])
+            elif kwargs.get("generator") is None:
+                kwargs = {**kwargs, "generator": generator}
+            return op(*args, **kwargs)
         with _LOCK:
             saved_cpu = torch.get_rng_state()
             torch.set_rng_state(self.cpu.get_state())
@@ -125,13 +138,30 @@ class _PrivateStream(TorchFunctionMode):
                 saved_cuda = torch.cuda.get_rng_state(self.cuda)
                 torch.cuda.set_rng_state(self.gpu.get_state(), self.cuda)
             try:
-                return func(*args, **kwargs)
+                return op(*args, **kwargs)
             finally:
                 self.cpu.set_state(torch.get_rng_state())
                 torch.set_rng_state(saved_cpu)
                 if self.cuda:
                     self.gpu.set_state(torch.cuda.get_rng_state(self.cuda))
                     torch.cuda.set_rng_state(saved_cuda, self.cuda)
+
+
+class _SeededOps(TorchDispatchMode):
+    """Active inside one random torch function: sees its kernels (aten ops), nested ones
+    included (an attention's dropout inside `F.multi_head_attention_forward`), and sends
+    those PyTorch tags as seeded to the stream. The rest, its projections included, run
+    as they are."""
+
+    def __init__(self, stream: _PrivateStream):
+        super().__init__()
+        self.stream = stream
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            return self.stream.draw(func, args, kwargs)
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager

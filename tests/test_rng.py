@@ -11,7 +11,8 @@ from pipeline_lib.rng import microbatch_rng, owned_rng
 
 def draws() -> list[torch.Tensor]:
     x = torch.ones(64)
-    return [F.dropout(x, 0.5), torch.rand(3), torch.randn(2, 2), torch.randint(0, 9, (4,))]
+    return [F.dropout(x, 0.5), F.rrelu(-x, training=True), torch.empty(3).uniform_(),
+            torch.rand(3), torch.randn(2, 2), torch.randint(0, 9, (4,))]
 
 
 def test_owned_rng_draws_what_microbatch_rng_draws_and_replays():
@@ -73,3 +74,22 @@ def test_dropout_in_evaluation_draws_nothing_and_takes_no_lock():
 
     run_while_locked(evaluate)
     assert len(outputs) == 2 and all(torch.equal(o, x) for o in outputs)
+
+
+def test_attention_dropout_matches_pytorch_and_takes_no_lock():
+    """An attention with dropout draws its mask inside `F.multi_head_attention_forward`;
+    its projections and its mask run while another stage thread holds the lock."""
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(16, 2, dropout=0.5, batch_first=True)
+    x = torch.randn(3, 5, 16)
+    with owned_rng(4):
+        expected = attention(x, x, x, need_weights=False)[0]
+    result: list[torch.Tensor] = []
+
+    def attend() -> None:
+        with microbatch_rng(4):
+            result.append(attention(x, x, x, need_weights=False)[0])
+
+    run_while_locked(attend)
+    assert len(result) == 1 and torch.equal(result[0], expected)
+    assert not torch.equal(expected, attention(x, x, x, need_weights=False)[0])
