@@ -11,8 +11,8 @@ threads draw at the same time, with no lock, the numbers PyTorch's kernel would 
 the process-wide generator in the same state. Masks then depend only on (step seed,
 stage, micro-batch): identical across schedules, checkpoint modes, thread timings and the
 threaded and multi-process executors. Kernels that take no generator (CUDA's fused
-dropout and attention, `torch.rand`'s) swap the stream into the process-wide generators
-under a lock held for that kernel only.
+dropout and attention, factories such as `torch.rand`) swap the stream into the
+process-wide generators under a lock held for that kernel only.
 
 A process whose stages all run on one thread (a rank of the multi-process executor) needs
 neither the interception of every torch call nor the lock: `owned_rng` seeds and restores
@@ -21,6 +21,7 @@ the process-wide generators instead, and draws the same numbers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import threading
 from typing import Callable, Iterator
@@ -82,6 +83,23 @@ def new_step_seed() -> int:
     return int(torch.randint(0, 2**62, ()).item())
 
 
+def _cpu_dropout(args: tuple, kwargs: dict, generator: torch.Generator) -> Tensor | None:
+    """A training-mode `F.dropout` of a CPU tensor, drawn from ``generator``: what
+    PyTorch's CPU kernel computes (a Bernoulli(1 - p) noise tensor, scaled, multiplied
+    in), with the same numbers for the same generator state, as `_SeededOps` would run it
+    but without its Python call per kernel. None where the call is not that (another
+    device, a tensor subclass, a tensor-valued or edge ``p``)."""
+    x = _argument(args, kwargs, "input", 0, None)
+    p = _argument(args, kwargs, "p", 1, 0.5)
+    inplace = _argument(args, kwargs, "inplace", 3, False)
+    if not (type(x) is Tensor and x.device.type == "cpu" and isinstance(p, (int, float))
+            and 0 < p < 1):
+        return None
+    noise = torch.empty_like(x).bernoulli_(1 - p, generator=generator).div_(1 - p)
+    return x.mul_(noise) if inplace else x * noise
+
+
+@functools.cache
 def _generator_slot(op: torch._ops.OpOverload) -> int | None:
     """Position of ``op``'s ``generator`` argument, None if it takes none."""
     return next((k for k, a in enumerate(op._schema.arguments) if a.name == "generator"),
@@ -89,6 +107,7 @@ def _generator_slot(op: torch._ops.OpOverload) -> int | None:
 
 
 def _device_of(args: tuple, kwargs: dict) -> torch.device:
+    """Where a kernel draws: its first tensor's device, or a factory's ``device``."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, Tensor):
             return value.device
@@ -96,13 +115,15 @@ def _device_of(args: tuple, kwargs: dict) -> torch.device:
 
 
 class _PrivateStream(TorchFunctionMode):
-    """Seen from a stage thread: every torch function it calls. A function that draws
-    random numbers (`_draws_random`) runs under `_SeededOps`, which hands each of its
-    random kernels the stream's generator."""
+    """Sees every torch function the block calls; one that draws random numbers
+    (`_draws_random`) runs under `_SeededOps`, which hands each of its random kernels to
+    the stream."""
 
     def __init__(self, seed: int, device: torch.device):
         super().__init__()
         self.seed = seed
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.cuda = device if device.type == "cuda" else None
         self.cpu: torch.Generator | None = None   # made on the first random op
         self.gpu: torch.Generator | None = None
@@ -115,6 +136,10 @@ class _PrivateStream(TorchFunctionMode):
             self.cpu = torch.Generator().manual_seed(self.seed)
             if self.cuda:
                 self.gpu = torch.Generator(device=self.cuda).manual_seed(self.seed)
+        if func is F.dropout:   # the most common: skip the dispatch mode's cost per kernel
+            out = _cpu_dropout(args, kwargs, self.cpu)
+            if out is not None:
+                return out
         with _SeededOps(self):
             return func(*args, **kwargs)
 
@@ -122,13 +147,13 @@ class _PrivateStream(TorchFunctionMode):
         """Run the random kernel ``op`` on this stream: with the stream's generator where
         it takes one (no lock: stage threads draw at the same time), else with the stream
         swapped into the process-wide generators under the lock, for this kernel only."""
-        slot, device = _generator_slot(op), _device_of(args, kwargs)
-        generator = {"cpu": self.cpu, "cuda": self.gpu}.get(device.type)
-        if slot is not None and generator is not None and generator.device == device:
-            if slot < len(args):
-                if args[slot] is None:
-                    args = (*args[:slot], generator, *args[slot + 1:])
-            elif kwargs.get("generator") is None:
+        device = _device_of(args, kwargs)
+        generator = (self.cpu if device.type == "cpu" else
+                     self.gpu if device == self.cuda else None)
+        slot = _generator_slot(op)
+        if slot is not None and generator is not None:
+            # PyTorch drops a trailing generator=None before dispatch: absent means default
+            if slot >= len(args) and "generator" not in kwargs:
                 kwargs = {**kwargs, "generator": generator}
             return op(*args, **kwargs)
         with _LOCK:
@@ -148,10 +173,12 @@ class _PrivateStream(TorchFunctionMode):
 
 
 class _SeededOps(TorchDispatchMode):
-    """Active inside one random torch function: sees its kernels (aten ops), nested ones
-    included (an attention's dropout inside `F.multi_head_attention_forward`), and sends
-    those PyTorch tags as seeded to the stream. The rest, its projections included, run
-    as they are."""
+    """Active inside one random torch function: sees all its kernels (aten ops), also
+    those of torch functions nested in it (an attention's dropout inside
+    `F.multi_head_attention_forward`), and runs the ones PyTorch tags as random on the
+    stream. The others, an attention's projections included, run as they are (under
+    `torch.inference_mode` a dispatch mode makes PyTorch pick another linear kernel: the
+    last bit may differ)."""
 
     def __init__(self, stream: _PrivateStream):
         super().__init__()

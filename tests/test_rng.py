@@ -77,19 +77,24 @@ def test_dropout_in_evaluation_draws_nothing_and_takes_no_lock():
 
 
 def test_attention_dropout_matches_pytorch_and_takes_no_lock():
-    """An attention with dropout draws its mask inside `F.multi_head_attention_forward`;
-    its projections and its mask run while another stage thread holds the lock."""
+    """An attention with dropout draws its mask inside `F.multi_head_attention_forward`
+    (in scaled_dot_product_attention, or on the returned weights); its projections and
+    its mask run while another stage thread holds the lock."""
     torch.manual_seed(0)
     attention = torch.nn.MultiheadAttention(16, 2, dropout=0.5, batch_first=True)
     x = torch.randn(3, 5, 16)
+
+    def attend() -> list[torch.Tensor]:
+        return [attention(x, x, x, need_weights=weights)[0] for weights in (False, True)]
+
     with owned_rng(4):
-        expected = attention(x, x, x, need_weights=False)[0]
+        expected = attend()
     result: list[torch.Tensor] = []
 
-    def attend() -> None:
+    def attend_on_stream() -> None:
         with microbatch_rng(4):
-            result.append(attention(x, x, x, need_weights=False)[0])
+            result.extend(attend())
 
-    run_while_locked(attend)
-    assert len(result) == 1 and torch.equal(result[0], expected)
-    assert not torch.equal(expected, attention(x, x, x, need_weights=False)[0])
+    run_while_locked(attend_on_stream)
+    assert len(result) == 2 and all(torch.equal(a, b) for a, b in zip(expected, result))
+    assert not torch.equal(expected[0], attend()[0])
