@@ -23,7 +23,7 @@ test: $(VENV)/.installed
 	$(BIN)/python -m pytest -p no:cacheprovider tests notebooks --nbval --nbval-current-env -q
 
 figures: $(VENV)/.installed
-	$(BIN)/python -m pipeline_lib.figures images/
+	$(BIN)/python -m pipeline_lib.viz.figures images/
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/bench_pipe.py

@@ -1,17 +1,47 @@
-"""pipeline_lib: pipeline parallelism you can read, run on a laptop, and scale to GPUs."""
-from .batchnorm import DeferredBatchNorm
-from .checkpoint import is_checkpointing, is_recomputing
-from .devices import WithDevice
-from .microbatch import NoChunk
-from .pipe import Pipe
-from .schedules import Action, Schedule, ScheduleError, validate
-from .skip import Namespace, SkipError, pop, skippable, stash, verify_skips
-from .threaded import PipelineAborted
-from .timeline import Event, Timeline, bubble_theory, simulate
+"""pipeline_lib: pipeline parallelism you can read, run on a laptop, and scale to GPUs.
+
+One schedule representation, two executors. The core, at this level:
+
+* `schedules`: a `Schedule` is an ordered list of `Action`s per rank (``0F1`` = forward of
+  micro-batch 1 on stage 0); builders for GPipe, 1F1B, interleaved 1F1B, zero-bubble;
+* `timeline`: `simulate` a schedule into a `Timeline`, the same type a real run records;
+* `partition`: where to cut an ``nn.Sequential`` into stages (by parameters, time, memory);
+* `microbatch`: split a batch into micro-batches, gather the outputs, scale the loss;
+* `stage`: `StageRunner`, what one stage does for each action (F, B, I, W), used by both
+  executors; with `checkpoint` (recompute activations), `rng` (dropout that replays),
+  `skip` (skip connections across stages), `batchnorm` and `devices`.
+
+The executors, one package each, run the same `Schedule`:
+
+* `threaded`: one process, one thread per stage/device: `Pipe`;
+* `distributed`: one process per rank on ``torch.distributed``: `DistributedPipe`, with its
+  transport (`p2p`), process layout (`mesh`) and ``torchrun`` launcher (`launch`).
+
+Around them: `viz` (Gantt charts, memory measurement, the README's figures), `lm` (the
+Transformer language model, WikiText-2 and the training loops the notebooks use) and
+`notebook_workers` (code that only one notebook's ``torchrun`` workers run).
+"""
+from pipeline_lib.batchnorm import DeferredBatchNorm
+from pipeline_lib.checkpoint import is_checkpointing, is_recomputing
+from pipeline_lib.devices import WithDevice
+from pipeline_lib.microbatch import NoChunk
+from pipeline_lib.schedules import Action, Schedule, ScheduleError, validate
+from pipeline_lib.skip import Namespace, SkipError, pop, skippable, stash, verify_skips
+from pipeline_lib.threaded import Pipe, PipelineAborted
+from pipeline_lib.timeline import Event, Timeline, bubble_theory, simulate
 
 __all__ = [
     "Action", "DeferredBatchNorm", "Event", "Namespace", "NoChunk", "Pipe",
     "PipelineAborted", "Schedule", "ScheduleError", "SkipError", "Timeline", "WithDevice",
-    "bubble_theory", "is_checkpointing", "is_recomputing", "pop", "simulate", "skippable",
-    "stash", "validate", "verify_skips",
+    "bubble_theory", "gantt", "is_checkpointing", "is_recomputing", "pop", "simulate",
+    "skippable", "stash", "validate", "verify_skips",
 ]
+
+
+def __getattr__(name: str):
+    """`gantt` is imported on first use: matplotlib is slow to import, and torchrun
+    workers, which import this package, never draw."""
+    if name == "gantt":
+        from pipeline_lib.viz.plot import gantt
+        return gantt
+    raise AttributeError(f"module 'pipeline_lib' has no attribute {name!r}")

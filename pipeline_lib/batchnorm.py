@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .checkpoint import is_recomputing
+from pipeline_lib.checkpoint import is_recomputing
 
 
 class DeferredBatchNorm(_BatchNorm):

@@ -428,3 +428,22 @@ def _first_input(
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def group_layers(module: nn.Sequential, balance: Sequence[int] | None) -> list[nn.Module]:
+    """Stages from consecutive layers: ``balance[k]`` layers in stage k, or one child each."""
+    layers = list(module.children())
+    if balance is None:
+        return layers
+    balance = list(balance)
+    if any(not isinstance(b, int) or b < 1 for b in balance):
+        raise ValueError(f"balance must be positive layer counts, got {balance}")
+    if sum(balance) != len(layers):
+        raise ValueError(f"balance {balance} sums to {sum(balance)} but the module has "
+                         f"{len(layers)} layers; the counts must add up to the number of "
+                         f"layers (see pipeline_lib.partition to compute one)")
+    stages, start = [], 0
+    for count in balance:
+        stages.append(nn.Sequential(*layers[start:start + count]))
+        start += count
+    return stages

@@ -13,9 +13,9 @@ from typing import Any, Callable, ContextManager, Mapping
 import torch
 from torch import Tensor, nn
 
-from .checkpoint import checkpointed, checkpointing, recomputing
-from .rng import microbatch_rng, seed_for
-from .skip import SkipKey, SkipTracker, describe, use_tracker
+from pipeline_lib.checkpoint import checkpointed, checkpointing, recomputing
+from pipeline_lib.rng import microbatch_rng, seed_for
+from pipeline_lib.skip import SkipKey, SkipTracker, describe, use_tracker
 
 LossFn = Callable[[Any, Any], Tensor]
 # (seed, device) -> the block in which a micro-batch draws its random numbers

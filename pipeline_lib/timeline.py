@@ -5,10 +5,11 @@ with the same Gantt function and its bubble compared with the prediction number 
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
-from .schedules import Action, Schedule, dependencies, splits_backward, validate
+from pipeline_lib.schedules import Action, Schedule, dependencies, splits_backward, validate
 
 
 @dataclass(frozen=True)
@@ -157,3 +158,28 @@ def bubble_theory(ranks: int, microbatches: int, virtual_stages: int = 1) -> flo
     (p - 1) / (v·m + p - 1); with v = 1 this is GPipe's and 1F1B's (p - 1) / (m + p - 1)."""
     p, m, v = ranks, microbatches, virtual_stages
     return (p - 1) / (v * m + p - 1)
+
+
+def simulate_measured(schedule: Schedule, timeline: Timeline) -> Timeline:
+    """The simulator fed this run's mean time per (stage, action kind): what the schedule
+    would do on these stages with free communication and no overhead. Its bubble is the
+    one a measured run should approach."""
+    durations: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for e in timeline.events:
+        durations[(e.action.stage, e.action.kind)].append(e.duration)
+
+    def mean(kind: str) -> list[float]:
+        missing = [s for s in range(schedule.stages) if not durations[(s, kind)]]
+        if missing:
+            raise ValueError(f"the timeline has no {kind} action on stages {missing}: it is "
+                             f"not a run of {schedule.name} with {schedule.stages} stages")
+        return [sum(d) / len(d) for d in (durations[(s, kind)] for s in range(schedule.stages))]
+
+    if splits_backward(schedule):
+        weight = mean("W")
+        backward = [i + w for i, w in zip(mean("I"), weight)]
+        simulated = simulate(schedule, mean("F"), backward, weight)
+    else:
+        simulated = simulate(schedule, mean("F"), mean("B"))
+    simulated.unit = timeline.unit   # the costs were measured in the timeline's unit
+    return simulated

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline_lib.distributed import DistributedPipe
-from pipeline_lib.mesh import init_mesh, process_group
-from pipeline_lib.models import transformer_lm
+from pipeline_lib.distributed.mesh import init_mesh, process_group
+from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.schedules import Action, Schedule
 
 VOCAB, ROWS, SEQ, MICROBATCHES, LR, DROPOUT = 50, 10, 6, 4, 0.1, 0.2

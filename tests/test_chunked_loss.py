@@ -3,9 +3,9 @@ memory."""
 import pytest
 import torch
 
-from pipeline_lib.chunked_loss import chunked_loss_backward, lm_backward
-from pipeline_lib.models import transformer_lm
-from pipeline_lib.memory import PeakTensorMemory
+from pipeline_lib.lm.chunked_loss import chunked_loss_backward, lm_backward
+from pipeline_lib.lm.model import transformer_lm
+from pipeline_lib.viz.memory import PeakTensorMemory
 
 VOCAB = 500
 

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline_lib import data
-from pipeline_lib.data import (
+from pipeline_lib.lm import data
+from pipeline_lib.lm.data import (
     BLOB_IDS,
     SPLITS,
     batchify,
@@ -17,7 +17,7 @@ from pipeline_lib.data import (
     load_wikitext2,
     tokenize_lines,
 )
-from pipeline_lib.tokenizer import Vocab, basic_english
+from pipeline_lib.lm.tokenizer import Vocab, basic_english
 
 from conftest import MINI, needs_mini
 

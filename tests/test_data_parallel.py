@@ -6,12 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline_lib.data_parallel import (data_parallel_step, gather, parallel_apply,
+from pipeline_lib.notebook_workers.data_parallel import (data_parallel_step, gather, parallel_apply,
                                         read_ddp_replicas, reduce_gradients, replicate,
                                         scatter, write_ddp_setup)
-from pipeline_lib.launch import torchrun
-from pipeline_lib.models import transformer_lm
-from pipeline_lib.train import lm_loss
+from pipeline_lib.distributed.launch import torchrun
+from pipeline_lib.lm.model import transformer_lm
+from pipeline_lib.lm.loops import lm_loss
 
 CONFIG = dict(vocab_size=40, d_model=16, nhead=2, d_hid=32, nlayers=2, dropout=0.0)
 CPUS = ["cpu", "cpu"]
@@ -78,7 +78,7 @@ def test_ddp_replicas_stay_identical_and_equal_one_process(tmp_path):
     model = tiny_model()
     batches = [tuple(torch.randint(0, 40, (2, 4, 6))) for _ in range(2)]
     write_ddp_setup(tmp_path, CONFIG, model, batches, lr=0.5)
-    torchrun("pipeline_lib.data_parallel", [tmp_path], nproc=2, timeout=120)
+    torchrun("pipeline_lib.notebook_workers.data_parallel", [tmp_path], nproc=2, timeout=120)
     first, second = read_ddp_replicas(tmp_path)
     for name, value in first.state_dict.items():
         assert torch.equal(value, second.state_dict[name]), name

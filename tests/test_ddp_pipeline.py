@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline_lib.ddp_pipeline import (ReplicaLoss, Setup, last_step_timeline, read_records,
+from pipeline_lib.notebook_workers.ddp_pipeline import (ReplicaLoss, Setup, last_step_timeline, read_records,
                                        write_setup)
-from pipeline_lib.launch import torchrun
-from pipeline_lib.models import transformer_lm
+from pipeline_lib.distributed.launch import torchrun
+from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.schedules import build
-from pipeline_lib.train import lm_loss
+from pipeline_lib.lm.loops import lm_loss
 
 PP, DP, CHUNKS, STEPS, LR = 2, 2, 3, 3, 0.5
 MODEL = dict(vocab_size=50, d_model=16, nhead=2, d_hid=32, nlayers=2, dropout=0.0)
@@ -36,7 +36,7 @@ def job(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("ddp_pipeline")
     setup = make_setup()
     write_setup(workdir, setup)
-    torchrun("pipeline_lib.ddp_pipeline", [str(workdir)], nproc=PP * DP, timeout=150)
+    torchrun("pipeline_lib.notebook_workers.ddp_pipeline", [str(workdir)], nproc=PP * DP, timeout=150)
     return setup, read_records(workdir)
 
 
@@ -125,6 +125,6 @@ def test_replica_loss_is_token_weighted():
 def test_missing_records_name_the_command_to_run(tmp_path):
     write_setup(tmp_path, make_setup())
     with pytest.raises(FileNotFoundError, match="torchrun --nproc-per-node 4 -m "
-                                                "pipeline_lib.ddp_pipeline"):
+                                                "pipeline_lib.notebook_workers.ddp_pipeline"):
         read_records(tmp_path)
 

@@ -20,10 +20,9 @@ import torch
 
 import dist_worker as worker
 from pipeline_lib import Pipe
-from pipeline_lib.distributed import plan, simulate_measured
-from pipeline_lib.p2p import send_order
-from pipeline_lib.schedules import build
-from pipeline_lib.timeline import Timeline, simulate
+from pipeline_lib.distributed.p2p import send_order
+from pipeline_lib.schedules import build, plan
+from pipeline_lib.timeline import Timeline, simulate, simulate_measured
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH_TIMEOUT = 150

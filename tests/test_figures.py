@@ -1,4 +1,4 @@
-"""`python -m pipeline_lib.figures DIR` regenerates images/ deterministically."""
+"""`python -m pipeline_lib.viz.figures DIR` regenerates images/ deterministically."""
 import matplotlib
 
 matplotlib.use("Agg")
@@ -6,7 +6,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 
 from pipeline_lib import bubble_theory  # noqa: E402
-from pipeline_lib.figures import (  # noqa: E402
+from pipeline_lib.viz.figures import (  # noqa: E402
     MICROBATCHES,
     RANKS,
     VIRTUAL_STAGES,

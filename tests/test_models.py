@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline_lib.models import CausalBlock, Decoder, Embedding, transformer_lm
+from pipeline_lib.lm.model import CausalBlock, Decoder, Embedding, transformer_lm
 
 VOCAB = 50
 SMALL = dict(d_model=32, nhead=4, d_hid=64, nlayers=3)

@@ -9,7 +9,7 @@ from matplotlib.colors import to_rgba  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from pipeline_lib import Action, Event, Timeline, bubble_theory, simulate  # noqa: E402
-from pipeline_lib.plot import KIND_COLOURS, bubble_vs_microbatches, gantt  # noqa: E402
+from pipeline_lib.viz.plot import KIND_COLOURS, bubble_vs_microbatches, gantt  # noqa: E402
 from pipeline_lib.schedules import gpipe, interleaved_1f1b, one_f_one_b, zb_h1  # noqa: E402
 
 

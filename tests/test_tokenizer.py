@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from pipeline_lib.tokenizer import Vocab, basic_english
+from pipeline_lib.lm.tokenizer import Vocab, basic_english
 
 
 @pytest.mark.parametrize(

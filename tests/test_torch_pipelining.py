@@ -4,14 +4,14 @@ import pytest
 import torch
 from torch.distributed.pipelining import pipeline
 
-from pipeline_lib.launch import TorchrunError, torchrun
-from pipeline_lib.models import transformer_lm
-from pipeline_lib.pipe import Pipe
+from pipeline_lib.distributed.launch import TorchrunError, torchrun
+from pipeline_lib.lm.model import transformer_lm
+from pipeline_lib import Pipe
 from pipeline_lib.schedules import (ScheduleError, gpipe, interleaved_1f1b, one_f_one_b,
                                     validate)
-from pipeline_lib.torch_pipelining import (main, manual_split, pytorch_schedule, read_run,
+from pipeline_lib.notebook_workers.torch_pipelining import (main, manual_split, pytorch_schedule, read_run,
                                            split_spec, write_setup)
-from pipeline_lib.train import lm_loss
+from pipeline_lib.lm.loops import lm_loss
 
 CONFIG = dict(vocab_size=40, d_model=16, nhead=2, d_hid=32, nlayers=2, dropout=0.0)
 
@@ -75,7 +75,7 @@ def test_worker_rejects_unknown_runs_before_starting(tmp_path):
 
 def test_torchrun_deadline_kills_the_job(tmp_path):
     with pytest.raises(TorchrunError, match="did not finish"):
-        torchrun("pipeline_lib.torch_pipelining", [tmp_path], timeout=1)
+        torchrun("pipeline_lib.notebook_workers.torch_pipelining", [tmp_path], timeout=1)
 
 
 def test_pytorch_pipeline_equals_pipe_step(tmp_path):
@@ -84,7 +84,7 @@ def test_pytorch_pipeline_equals_pipe_step(tmp_path):
     model = tiny_model()
     inputs, targets = torch.randint(0, CONFIG["vocab_size"], (2, 4, 6))
     write_setup(tmp_path, CONFIG, model, inputs, targets, balance=[2, 2])
-    torchrun("pipeline_lib.torch_pipelining",
+    torchrun("pipeline_lib.notebook_workers.torch_pipelining",
              [tmp_path, "--runs", "gpipe:manual,1f1b:manual", "--microbatches", "2",
               "--steps", "1"], timeout=120)
     for schedule, split in [("gpipe", "manual"), ("1f1b", "manual")]:

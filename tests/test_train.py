@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from pipeline_lib.data import batchify, load_wikitext2
-from pipeline_lib.models import transformer_lm
-from pipeline_lib.train import evaluate, lm_loss, make_step, seed_everything, train, train_epoch
+from pipeline_lib.lm.data import batchify, load_wikitext2
+from pipeline_lib.lm.model import transformer_lm
+from pipeline_lib.lm.loops import evaluate, lm_loss, make_step, seed_everything, train, train_epoch
 
 from conftest import MINI, needs_mini
 

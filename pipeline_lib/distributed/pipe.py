@@ -7,9 +7,9 @@ One process per pipeline rank. Rank ``r`` holds every stage ``s`` with ``s % pp 
 activations and gradients travel differs, and that is the lesson of this module.
 
 Every process runs the same script under torchrun (``torchrun --nproc_per_node 4 -m
-pipeline_lib.train --pp 2 --dp 2`` trains the Transformer LM)::
+pipeline_lib.lm.train --pp 2 --dp 2`` trains the Transformer LM)::
 
-    with process_group():                       # see `pipeline_lib.mesh`
+    with process_group():                       # see `pipeline_lib.distributed.mesh`
         mesh = init_mesh(pp=2, dp=2)
         pipe = DistributedPipe(build_model(), mesh, balance=[5, 5], chunks=8)
         optimizer = torch.optim.AdamW(pipe.parameters())
@@ -81,7 +81,6 @@ the simulator returns, so a run is drawn and its bubble compared with one functi
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -89,17 +88,17 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .checkpoint import check_mode
-from .devices import transfer
-from .mesh import Mesh
-from .microbatch import loss_weights, split
-from .p2p import Message, Transport, batch_key, describe
-from .pipe import group_layers
-from .rng import new_step_seed, owned_rng, seed_for
-from .schedules import Action, Schedule, plan, splits_backward
-from .skip import skip_routes
-from .stage import LossFn, StageRunner
-from .timeline import Event, Timeline, simulate
+from pipeline_lib.checkpoint import check_mode
+from pipeline_lib.devices import transfer
+from pipeline_lib.distributed.mesh import Mesh
+from pipeline_lib.microbatch import loss_weights, split
+from pipeline_lib.partition import group_layers
+from pipeline_lib.distributed.p2p import Message, Transport, batch_key, describe
+from pipeline_lib.rng import new_step_seed, owned_rng, seed_for
+from pipeline_lib.schedules import Action, Schedule, plan
+from pipeline_lib.skip import skip_routes
+from pipeline_lib.stage import LossFn, StageRunner
+from pipeline_lib.timeline import Event, Timeline
 
 
 class DistributedPipe:
@@ -276,31 +275,6 @@ class DistributedPipe:
         if self.mesh.dp > 1:
             title += f" × {self.mesh.dp} replicas"
         return Timeline(len(gathered), events, unit="s", title=title).shifted()
-
-
-def simulate_measured(schedule: Schedule, timeline: Timeline) -> Timeline:
-    """The simulator fed this run's mean time per (stage, action kind): what the schedule
-    would do on these stages with free communication and no overhead. Its bubble is the
-    one a measured run should approach."""
-    durations: dict[tuple[int, str], list[float]] = defaultdict(list)
-    for e in timeline.events:
-        durations[(e.action.stage, e.action.kind)].append(e.duration)
-
-    def mean(kind: str) -> list[float]:
-        missing = [s for s in range(schedule.stages) if not durations[(s, kind)]]
-        if missing:
-            raise ValueError(f"the timeline has no {kind} action on stages {missing}: it is "
-                             f"not a run of {schedule.name} with {schedule.stages} stages")
-        return [sum(d) / len(d) for d in (durations[(s, kind)] for s in range(schedule.stages))]
-
-    if splits_backward(schedule):
-        weight = mean("W")
-        backward = [i + w for i, w in zip(mean("I"), weight)]
-        simulated = simulate(schedule, mean("F"), backward, weight)
-    else:
-        simulated = simulate(schedule, mean("F"), mean("B"))
-    simulated.unit = timeline.unit   # the costs were measured in the timeline's unit
-    return simulated
 
 
 def _check_same_everywhere(config: dict) -> None:

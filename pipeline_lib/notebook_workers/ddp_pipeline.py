@@ -1,7 +1,7 @@
 """A pipeline replicated with DistributedDataParallel, recorded rank by rank: the torchrun
 job of notebook 04.
 
-    torchrun --nproc-per-node 4 -m pipeline_lib.ddp_pipeline WORKDIR
+    torchrun --nproc-per-node 4 -m pipeline_lib.notebook_workers.ddp_pipeline WORKDIR
 
 ``WORKDIR/setup.pt`` (`write_setup`) holds the job: the ``pp × dp`` mesh, the model's
 config and weights, the balance, schedule and micro-batch count, SGD's learning rate and the
@@ -29,12 +29,12 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from .distributed import DistributedPipe
-from .launch import backend_for, worker_device
-from .mesh import Mesh, init_mesh, process_group
-from .models import transformer_lm
-from .timeline import Event, Timeline
-from .train import lm_loss
+from pipeline_lib.distributed.pipe import DistributedPipe
+from pipeline_lib.distributed.launch import backend_for, worker_device
+from pipeline_lib.distributed.mesh import Mesh, init_mesh, process_group
+from pipeline_lib.lm.model import transformer_lm
+from pipeline_lib.timeline import Event, Timeline
+from pipeline_lib.lm.loops import lm_loss
 
 
 @dataclass
@@ -94,7 +94,7 @@ def read_records(workdir: str | Path) -> list[RankRecord]:
     missing = [p.name for p in paths if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"{', '.join(missing)} not found in {workdir}: run `torchrun "
-                                f"--nproc-per-node {len(paths)} -m pipeline_lib.ddp_pipeline "
+                                f"--nproc-per-node {len(paths)} -m pipeline_lib.notebook_workers.ddp_pipeline "
                                 f"{workdir}` first, and check its output for errors")
     records = []
     for path in paths:

@@ -40,7 +40,7 @@ from typing import Iterator, NoReturn
 import torch
 import torch.distributed as dist
 
-from .launch import backend_for, worker_device
+from pipeline_lib.distributed.launch import backend_for, worker_device
 
 _FAILURES = "pipeline_lib/failures/"
 
@@ -187,7 +187,7 @@ def init_mesh(pp: int, dp: int = 1, timeout: float = 300.0) -> Mesh:
     create the process groups. Every rank must call it, with the same arguments."""
     if not dist.is_initialized():
         raise RuntimeError("init_mesh needs a process group: call it inside "
-                           "`with pipeline_lib.mesh.process_group():`")
+                           "`with pipeline_lib.distributed.mesh.process_group():`")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if pp < 1 or dp < 1 or pp * dp != world_size:
         raise ValueError(f"pp × dp = {pp} × {dp} must equal the number of processes, "

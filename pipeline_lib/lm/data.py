@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from pipeline_lib.tokenizer import Vocab, basic_english
+from pipeline_lib.lm.tokenizer import Vocab, basic_english
 
 SPLITS = ("train", "valid", "test")
 # The copy of WikiText-2 (v1, tokenized) that pytorch/examples ships with its word

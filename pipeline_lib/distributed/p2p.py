@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .mesh import Mesh
-from .schedules import Schedule
+from pipeline_lib.distributed.mesh import Mesh
+from pipeline_lib.schedules import Schedule
 
 HEADER_SLOTS = 64
 ALIGN = 8    # bytes: every tensor in a one-buffer message starts on a multiple of this

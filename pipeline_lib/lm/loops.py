@@ -16,7 +16,6 @@ Such batches are not counted, so the same loop runs unchanged on every rank.
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import time
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from pipeline_lib.data import get_batch
+from pipeline_lib.lm.data import get_batch
 
 Forward = Callable[[torch.Tensor], torch.Tensor | None]
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | float | None]
@@ -83,7 +82,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _batch_starts(source: torch.Tensor, bptt: int, max_steps: int | None) -> range:
+def batch_starts(source: torch.Tensor, bptt: int, max_steps: int | None) -> range:
     if max_steps is not None and max_steps < 1:
         raise ValueError(f"max_steps must be >= 1 (or None for the whole split), got {max_steps}.")
     starts = range(0, source.size(1) - 1, bptt)
@@ -117,7 +116,7 @@ def train_epoch(
     if isinstance(model_or_step, nn.Module):
         model_or_step.train()
     losses: list[float] = []
-    bar = tqdm(_batch_starts(source, bptt, max_steps), desc="train", disable=not progress)
+    bar = tqdm(batch_starts(source, bptt, max_steps), desc="train", disable=not progress)
     for i in bar:
         loss = step(*get_batch(source, i, bptt))
         if loss is None:
@@ -157,7 +156,7 @@ def evaluate(
         model.eval()
     total, count = 0.0, 0
     try:
-        for i in tqdm(_batch_starts(source, bptt, max_steps), desc="eval", disable=not progress):
+        for i in tqdm(batch_starts(source, bptt, max_steps), desc="eval", disable=not progress):
             inputs, targets = get_batch(source, i, bptt)
             logits = model(inputs)
             if logits is None:
@@ -228,126 +227,3 @@ def train(
             )
         )
     return history
-
-
-# -- command line: multi-process pipeline training ------------------------------------------
-# torchrun --nproc_per_node 4 -m pipeline_lib.train --pp 2 --dp 2 --schedule 1f1b --chunks 4
-# The distributed modules are imported here rather than at the top: the loops above are
-# used without torch.distributed, and this is the only part that needs it.
-
-
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-
-    from pipeline_lib.schedules import BUILDERS
-
-    parser = argparse.ArgumentParser(
-        prog="torchrun --nproc_per_node N -m pipeline_lib.train",
-        description="Train the Transformer LM on a pp-rank pipeline, replicated dp times "
-        "(pp x dp processes). Rank pp-1 logs loss, tokens/s and the bubble.")
-    parser.add_argument("--pp", type=int, default=2, help="pipeline ranks")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
-    parser.add_argument("--schedule", choices=sorted(BUILDERS), default="1f1b")
-    parser.add_argument("--virtual-stages", type=int, default=2,
-                        help="stages per rank, for interleaved_1f1b")
-    parser.add_argument("--chunks", type=int, default=4, help="micro-batches per replica")
-    parser.add_argument("--batch", type=int, default=16, help="global batch (rows)")
-    parser.add_argument("--bptt", type=int, default=35, help="sequence length")
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--preset", default="cpu", help="pipeline_lib.models.PRESETS")
-    parser.add_argument("--balance", choices=["time", "params"], default="time",
-                        help="split stages by measured time or by parameter count")
-    parser.add_argument("--checkpoint", choices=["always", "except_last", "never"],
-                        default="never")
-    parser.add_argument("--synthetic", type=int, metavar="VOCAB", default=None,
-                        help="random tokens from a VOCAB-word vocabulary, not WikiText-2")
-    parser.add_argument("--timeline", default=None,
-                        help="save the last logged step's timeline here (JSON)")
-    parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds any single wait may take before it is an error")
-    return parser.parse_args(argv)
-
-
-def _training_tokens(args: argparse.Namespace, rank: int) -> tuple[torch.Tensor, int]:
-    """``[batch, n]`` token ids, the same on every rank, and the vocabulary size."""
-    import torch.distributed as dist
-
-    from pipeline_lib.data import batchify, load_wikitext2
-
-    if args.synthetic is not None:
-        g = torch.Generator().manual_seed(args.seed)
-        tokens = torch.randint(0, args.synthetic, (args.batch * (args.steps * args.bptt + 1),),
-                               generator=g)
-        return batchify(tokens, args.batch), args.synthetic
-    if rank != 0:
-        dist.barrier()    # rank 0 downloads first, the others then read its copy
-    data = load_wikitext2()
-    if rank == 0:
-        dist.barrier()
-    return batchify(data.train, args.batch), len(data.vocab)
-
-
-def _balance(model: nn.Module, sample: torch.Tensor, stages: int, by: str) -> list[int]:
-    """Timing is noisy, so rank 0 measures and every rank uses its answer."""
-    import torch.distributed as dist
-
-    from pipeline_lib.partition import balance_by_params, balance_by_time
-
-    if by == "params":
-        return balance_by_params(model, stages)
-    answer = [balance_by_time(model, sample, stages) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(answer, src=0)
-    return answer[0]
-
-
-def main(argv: list[str] | None = None) -> None:
-    import json
-    from pathlib import Path
-
-    from pipeline_lib.distributed import DistributedPipe, simulate_measured
-    from pipeline_lib.mesh import init_mesh, process_group
-    from pipeline_lib.models import transformer_lm
-
-    args = _parse_args(argv)
-    with process_group(timeout=args.timeout):
-        mesh = init_mesh(args.pp, args.dp, args.timeout)
-        source, vocab = _training_tokens(args, mesh.rank)
-        seed_everything(args.seed)
-        model = transformer_lm(vocab, args.preset)
-        stages = args.pp * (args.virtual_stages if args.schedule == "interleaved_1f1b" else 1)
-        sample = get_batch(source, 0, args.bptt)[0][:max(1, args.batch // (args.dp * args.chunks))]
-        balance = _balance(model, sample, stages, args.balance)
-        pipe = DistributedPipe(model, mesh, balance, args.chunks, args.schedule, args.checkpoint)
-        del model   # this rank keeps only its stages
-        optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
-        logger = args.pp - 1   # replica 0's last stage: it has the loss
-        if mesh.rank == logger:
-            print(f"{pipe.schedule.name}: {args.pp} pipeline ranks x {args.dp} replicas, "
-                  f"stages {balance} (by {args.balance}), {args.chunks} micro-batches",
-                  flush=True)
-        starts = _batch_starts(source, args.bptt, args.steps)
-        for step, i in enumerate(starts, 1):
-            inputs, targets = get_batch(source, i, args.bptt)
-            start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            loss = pipe.step(inputs, targets, lm_loss)
-            optimizer.step()
-            seconds = time.perf_counter() - start
-            if step % args.log_every and step != len(starts):
-                continue
-            timeline = pipe.gather_timeline(dst=logger)
-            if timeline is None:
-                continue
-            simulated = simulate_measured(pipe.schedule, timeline)
-            print(f"step {step:>5}  loss {loss.item():.3f}  "
-                  f"{targets.numel() / seconds:,.0f} tokens/s  bubble "
-                  f"{timeline.bubble_fraction():.1%} measured, "
-                  f"{simulated.bubble_fraction():.1%} simulated", flush=True)
-            if args.timeline:
-                Path(args.timeline).write_text(json.dumps(timeline.to_dict()))
-
-
-if __name__ == "__main__":
-    main()

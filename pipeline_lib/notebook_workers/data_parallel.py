@@ -17,7 +17,7 @@ run in parallel because PyTorch releases the GIL inside its kernels.
 the model is replicated once, each process computes the loss of its own slice, and the
 gradients are **averaged** by an all-reduce during the backward. `main` is such a process::
 
-    torchrun --nproc-per-node 2 -m pipeline_lib.data_parallel WORKDIR
+    torchrun --nproc-per-node 2 -m pipeline_lib.notebook_workers.data_parallel WORKDIR
 
 trains on the batches of ``WORKDIR/ddp_setup.pt`` (`write_ddp_setup`) and leaves each
 replica's final weights and losses for `read_ddp_replicas`.
@@ -36,10 +36,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .launch import worker_device
-from .mesh import process_group
-from .models import transformer_lm
-from .train import lm_loss
+from pipeline_lib.distributed.launch import worker_device
+from pipeline_lib.distributed.mesh import process_group
+from pipeline_lib.lm.model import transformer_lm
+from pipeline_lib.lm.loops import lm_loss
 
 Device = torch.device | str
 
@@ -156,7 +156,7 @@ def read_ddp_replicas(workdir: str | Path) -> list[Replica]:
     paths = sorted(Path(workdir).glob("ddp_rank*.pt"))
     if not paths:
         raise FileNotFoundError(f"no DDP results in {workdir}: run `torchrun "
-                                f"--nproc-per-node 2 -m pipeline_lib.data_parallel "
+                                f"--nproc-per-node 2 -m pipeline_lib.notebook_workers.data_parallel "
                                 f"{workdir}` first")
     return [Replica(**torch.load(path)) for path in paths]
 

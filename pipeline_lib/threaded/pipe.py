@@ -12,35 +12,17 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from .batchnorm import DeferredBatchNorm
-from .checkpoint import check_mode, checkpointed, checkpointing, recomputing
-from .devices import stage_devices, transfer
-from .microbatch import gather, loss_weights, split
-from .rng import microbatch_rng, new_step_seed, seed_for
-from .schedules import Action, Schedule, plan
-from .skip import SkipError, SkipKey, SkipTracker, describe, skip_routes, use_tracker
-from .stage import LossFn, StageRunner
-from .threaded import Mailbox, run_programs
-from .timeline import Timeline
-
-
-def group_layers(module: nn.Sequential, balance: Sequence[int] | None) -> list[nn.Module]:
-    """Stages from consecutive layers: ``balance[k]`` layers in stage k, or one child each."""
-    layers = list(module.children())
-    if balance is None:
-        return layers
-    balance = list(balance)
-    if any(not isinstance(b, int) or b < 1 for b in balance):
-        raise ValueError(f"balance must be positive layer counts, got {balance}")
-    if sum(balance) != len(layers):
-        raise ValueError(f"balance {balance} sums to {sum(balance)} but the module has "
-                         f"{len(layers)} layers; the counts must add up to the number of "
-                         f"layers (see pipeline_lib.partition to compute one)")
-    stages, start = [], 0
-    for count in balance:
-        stages.append(nn.Sequential(*layers[start:start + count]))
-        start += count
-    return stages
+from pipeline_lib.batchnorm import DeferredBatchNorm
+from pipeline_lib.checkpoint import check_mode, checkpointed, checkpointing, recomputing
+from pipeline_lib.devices import stage_devices, transfer
+from pipeline_lib.microbatch import gather, loss_weights, split
+from pipeline_lib.partition import group_layers
+from pipeline_lib.rng import microbatch_rng, new_step_seed, seed_for
+from pipeline_lib.schedules import Action, Schedule, plan
+from pipeline_lib.skip import SkipError, SkipKey, SkipTracker, describe, skip_routes, use_tracker
+from pipeline_lib.stage import LossFn, StageRunner
+from pipeline_lib.threaded.threads import Mailbox, run_programs
+from pipeline_lib.timeline import Timeline
 
 
 class Pipe(nn.Module):

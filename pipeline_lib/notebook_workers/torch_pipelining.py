@@ -14,7 +14,7 @@ two ways:
 
 This file is also the torchrun worker that runs them and writes what happened::
 
-    torchrun --nproc-per-node 2 -m pipeline_lib.torch_pipelining WORKDIR \\
+    torchrun --nproc-per-node 2 -m pipeline_lib.notebook_workers.torch_pipelining WORKDIR \\
         --runs gpipe:manual,1f1b:tracer --microbatches 4
 
 ``WORKDIR/setup.pt`` (`write_setup`) holds the model's config and weights and one batch;
@@ -41,12 +41,12 @@ from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.schedules import _ComputationType
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from .launch import worker_device
-from .mesh import process_group
-from .models import transformer_lm
-from .schedules import Action, Schedule
-from .timeline import Event, Timeline
-from .train import lm_loss
+from pipeline_lib.distributed.launch import worker_device
+from pipeline_lib.distributed.mesh import process_group
+from pipeline_lib.lm.model import transformer_lm
+from pipeline_lib.schedules import Action, Schedule
+from pipeline_lib.timeline import Event, Timeline
+from pipeline_lib.lm.loops import lm_loss
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 SPLITS = ("manual", "tracer")

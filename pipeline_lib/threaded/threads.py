@@ -14,8 +14,8 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from .schedules import Action
-from .timeline import Event, Timeline
+from pipeline_lib.schedules import Action
+from pipeline_lib.timeline import Event, Timeline
 
 
 class PipelineAborted(RuntimeError):

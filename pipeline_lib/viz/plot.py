@@ -14,8 +14,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import PercentFormatter
 
-from .schedules import build
-from .timeline import Timeline, bubble_theory, simulate
+from pipeline_lib.schedules import build
+from pipeline_lib.timeline import Timeline, bubble_theory, simulate
 
 # Colour-blind-safe (Okabe-Ito): a backward is warm, a forward cool; I and W are the
 # two halves of B, so they get B's neighbours.

@@ -1,4 +1,4 @@
-"""Regenerate the figures in images/: ``python -m pipeline_lib.figures images/``.
+"""Regenerate the figures in images/: ``python -m pipeline_lib.viz.figures images/``.
 
 Every figure comes from the simulator (no timing), so the PNGs are the same on every
 machine and a change in a schedule shows up as a change in its picture.
@@ -11,9 +11,9 @@ from typing import Sequence
 
 from matplotlib.figure import Figure
 
-from .plot import bubble_vs_microbatches, gantt
-from .schedules import gpipe, interleaved_1f1b, one_f_one_b, zb_h1
-from .timeline import Timeline, simulate
+from pipeline_lib.viz.plot import bubble_vs_microbatches, gantt
+from pipeline_lib.schedules import gpipe, interleaved_1f1b, one_f_one_b, zb_h1
+from pipeline_lib.timeline import Timeline, simulate
 
 RANKS, MICROBATCHES, VIRTUAL_STAGES = 4, 8, 2
 

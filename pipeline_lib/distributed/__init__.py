@@ -1,0 +1,15 @@
+"""Executor 2, many processes: one pipeline rank per process on ``torch.distributed``.
+
+* `pipe.DistributedPipe` runs the very `Schedule` objects the simulator draws, driving a
+  `pipeline_lib.stage.StageRunner` per stage, with DDP across replicas;
+* `p2p` moves activations and gradients between ranks (a header, then the tensors);
+* `mesh` lays the processes out in a ``dp × pp`` grid and stops them all when one fails;
+* `launch` starts a ``torchrun`` job from Python under a deadline and gives each worker
+  its device.
+"""
+from pipeline_lib.distributed.launch import TorchrunError, backend_for, torchrun, worker_device
+from pipeline_lib.distributed.mesh import Mesh, init_mesh, process_group
+from pipeline_lib.distributed.pipe import DistributedPipe
+
+__all__ = ["DistributedPipe", "Mesh", "TorchrunError", "backend_for", "init_mesh",
+           "process_group", "torchrun", "worker_device"]
