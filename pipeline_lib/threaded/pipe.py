@@ -25,6 +25,13 @@ from pipeline_lib.threaded.threads import Mailbox, run_programs
 from pipeline_lib.timeline import Timeline
 
 
+def _training(stage: nn.Module) -> bool:
+    """Whether any layer of ``stage`` is in training mode. Only layers without children
+    are asked: the containers a Pipe makes to group layers into stages are not reached by
+    ``model.eval()`` on the model it wraps."""
+    return any(m.training for m in stage.modules() if next(m.children(), None) is None)
+
+
 class Pipe(nn.Module):
     """Split ``module`` into stages and run micro-batches through them as a pipeline.
 
@@ -36,12 +43,14 @@ class Pipe(nn.Module):
     * ``chunks``: micro-batches per mini-batch. Inputs are split along dim 0; wrap a
       tensor in `NoChunk` to give it whole to every micro-batch (a shared mask).
       ``checkpoint``: ``"always"``, ``"except_last"`` or ``"never"`` (see
-      `pipeline_lib.checkpoint`).
+      `pipeline_lib.checkpoint`); in eval mode, nothing is checkpointed.
     * Skip connections: layers made with `skip.skippable` stash and pop tensors; each
       goes straight from the stashing stage's device to the popping stage's, and its
       gradient straight back. They are checked here: mismatches raise `SkipError`.
     * ``deferred_batch_norm=True``: BatchNorm layers become `DeferredBatchNorm`, whose
       running statistics are updated once per mini-batch, as without micro-batches.
+    * Stages stay on their devices: moving the Pipe (``.cuda()``, ``.to(device)``)
+      raises `TypeError`; a dtype conversion (``.double()``) is fine.
 
     ``pipe(x)`` is the classic API: a pipelined forward whose output is connected to
     autograd, so ``criterion(pipe(x), y).backward()`` trains as usual; its backward is
@@ -76,6 +85,21 @@ class Pipe(nn.Module):
     def __len__(self) -> int:
         return len(self.partitions)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Pipe:
+        """Refuse to move a stage off its device: ``pipe.devices`` says where each stage
+        runs and where its inputs are sent, so ``.cuda()``, ``.cpu()`` or ``.to(device)``
+        would leave it wrong. Conversions that keep every tensor where it is
+        (``.double()``, ``.to(torch.float16)``) pass. Every `nn.Module` move and
+        conversion goes through ``_apply``; ``fn`` is tried on an empty tensor first."""
+        for device in dict.fromkeys(getattr(self, "devices", [])):
+            moved_to = fn(torch.empty(0, device=device)).device
+            if moved_to != device:
+                raise TypeError(f"cannot move a Pipe from {device} to {moved_to}: it places "
+                                f"each stage on its own device (pipe.devices = "
+                                f"{[str(d) for d in self.devices]}); build a new Pipe with "
+                                f"devices=[...] instead, or move the model before wrapping it")
+        return super()._apply(fn, recurse)
+
     # -- the classic API: pipelined forward, autograd backward ---------------------------
 
     def _stage_forward(self, stage: int, microbatch: int, microbatches: int,
@@ -93,7 +117,9 @@ class Pipe(nn.Module):
             with microbatch_rng(seed, device), use_tracker(trackers[-1]):
                 return self.partitions[stage](inputs)
 
-        if not (torch.is_grad_enabled()
+        # In eval mode nothing is checkpointed (as in the classic API): evaluation rarely
+        # runs a backward, so a checkpoint would only add a forward.
+        if not (torch.is_grad_enabled() and _training(self.partitions[stage])
                 and checkpointed(self.checkpoint, microbatch, microbatches)):
             return run(x), trackers[0].stashed
 
