@@ -73,7 +73,8 @@ class _Stage(nn.Sequential):
     positional arguments (the first one, the micro-batch's inputs).
 
     ``record``, when a list, receives the non-tensor values of each micro-batch's output
-    (tensors as None), in micro-batch order: `Pipe` sets it on the last stage.
+    (tensors as None): `Pipe` sets it on the last stage, whose thread runs the forwards in
+    micro-batch order (a checkpoint's recomputation is not recorded again).
     """
 
     record: list[tuple[Any, ...]] | None = None
