@@ -465,8 +465,9 @@ def test_skip_misuse_raises_the_classic_types():
         StashesUndeclared()(x)
     with pytest.raises(RuntimeError, match=r"did not stash \['skip'\]"):
         ForgetsToStash()(x)
+    ns = Namespace()    # the stash this leaves on the thread must not reach other tests
     with pytest.raises(RuntimeError, match=r"did not pop \['skip'\]"):
-        nn.Sequential(Save(), ForgetsToPop())(x)
+        nn.Sequential(Save().isolate(ns), ForgetsToPop().isolate(ns))(x)
     with pytest.raises(RuntimeError, match="found no stashed tensor"):
         PopsUnstashed()(x)
     # something that is no stash or pop command: TypeError
