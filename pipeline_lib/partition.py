@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from pipeline_lib.viz.memory import SavedActivations
+from pipeline_lib.memory import SavedActivations
 
 __all__ = ["optimal_split", "stage_costs", "check_balance", "group_layers", "layer_params",
            "layer_times", "layer_memory", "balance_by_params", "balance_by_time",
@@ -228,7 +228,7 @@ def layer_memory(module: nn.Sequential, sample: Activations, *,
     activation memory grows with the batch). Run as in `layer_times`. Per layer:
 
     * activations: what autograd saves in the forward for the backward, counted by
-      `pipeline_lib.viz.memory.SavedActivations` on any device: a tensor saved twice
+      `pipeline_lib.memory.SavedActivations` on any device: a tensor saved twice
       (``x * x``) counts once; saved parameters and buffers are not activations;
     * parameters: their bytes, doubled if they require grad (the gradient is as big).
       Shared parameters count once, as in `layer_params`.
