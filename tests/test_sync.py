@@ -353,10 +353,9 @@ def test_misuse_raises_the_classic_exception_types():
         Pipe(nn.Sequential(nn.Linear(2, 2)), checkpoint="sometimes")
 
 
-@pytest.mark.xfail(strict=True, reason="needs group_layers duplicate refusal")
 def test_a_layer_listed_twice_is_refused():
     lin = nn.Linear(2, 2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="layers 0 and 1 of the nn.Sequential are the same"):
         Pipe(nn.Sequential(lin, lin))
 
 

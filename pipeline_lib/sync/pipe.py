@@ -107,10 +107,9 @@ class Pipe(threaded.Pipe):
 
     def __init__(self, module: nn.Sequential, chunks: int = 1,
                  checkpoint: str = "except_last", deferred_batch_norm: bool = False):
-        if not isinstance(module, nn.Sequential):
-            raise TypeError(f"Pipe needs an nn.Sequential, got {type(module).__name__}")
-        # A plain nn.Sequential child is one stage of its layers; a subclass keeps its
-        # own forward, so it is one layer.
+        # group_layers checks the model (an nn.Sequential listing each layer once). A
+        # plain nn.Sequential child is one stage of its layers; a subclass keeps its own
+        # forward, so it is one layer.
         stages = [_Stage(*child) if type(child) is nn.Sequential else _Stage(child)
                   for child in group_layers(module, None)]
         super().__init__(nn.Sequential(*stages), chunks, checkpoint,
