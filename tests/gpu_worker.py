@@ -1,8 +1,9 @@
 """One rank of `test_gpu.py`'s NCCL test, which launches two with torchrun.
 
 Each rank takes its own GPU, so `process_group` picks NCCL, and runs one 1F1B step of
-`DistributedPipe` on a tiny language model, without and with dropout, saving its loss
-and gradients (by the full model's parameter names) to ``--out``.
+`DistributedPipe` on `dist_worker`'s tiny language model (whose own launches use gloo),
+without and with dropout, saving its loss and gradients (by the full model's parameter
+names) to ``--out``.
 """
 from __future__ import annotations
 
@@ -11,30 +12,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
+from dist_worker import DROPOUT, MICROBATCHES, batch, tiny_lm, token_loss
 from pipeline_lib.distributed import DistributedPipe, init_mesh, process_group
-from pipeline_lib.lm.model import transformer_lm
 
-VOCAB, ROWS, SEQ, MICROBATCHES, BALANCE = 50, 12, 10, 4, [4, 4]
-DROPOUTS = (0.0, 0.2)
-
-
-def tiny_lm(dropout: float = 0.0) -> nn.Sequential:
-    """8 layers: embedding, 6 blocks, decoder."""
-    torch.manual_seed(0)
-    return transformer_lm(VOCAB, d_model=32, nhead=2, d_hid=64, nlayers=6, dropout=dropout)
-
-
-def batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return (torch.randint(0, VOCAB, (ROWS, SEQ), generator=g),
-            torch.randint(0, VOCAB, (ROWS, SEQ), generator=g))
-
-
-def token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+BALANCE = [4, 4]   # tiny_lm's 8 layers on 2 ranks
+DROPOUTS = (0.0, DROPOUT)
 
 
 def main() -> None:

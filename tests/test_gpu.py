@@ -163,7 +163,7 @@ def test_index_less_cuda_devices_run_a_pipe():
 @pytest.mark.skipif(not dist.is_nccl_available(), reason="this PyTorch build has no NCCL")
 @needs_gpus(2)
 def test_distributed_pipe_over_nccl_trains_like_the_threaded_pipe(tmp_path, monkeypatch):
-    """Two processes, one GPU each, talking NCCL: the loss and gradients of unpipelined
+    """Two processes, one GPU each, talking NCCL (tests/gpu_worker.py): the loss and gradients of unpipelined
     training without dropout; with dropout, those of `Pipe` on the same two GPUs (whose
     masks the processes must draw too)."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
