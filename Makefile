@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: lab test bench figures clean
+.PHONY: lab test bench figures gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ figures: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/bench_pipe.py
+
+# On a GPU machine: the GPU tests, and Pipe.step on 2 GPUs against the ideal.
+gpu-check: $(VENV)/.installed
+	$(BIN)/python bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV)
