@@ -18,6 +18,9 @@ The executors, one package each, run the same `Schedule`:
 * `distributed`: one process per rank on ``torch.distributed``: `DistributedPipe`, with its
   transport (`p2p`), process layout (`mesh`) and ``torchrun`` launcher (`launch`).
 
+`sync` is the classic ``torch.distributed.pipeline.sync.Pipe`` API (removed from PyTorch in
+2.4) as a thin layer over `Pipe`, so old tutorial code runs with its import changed.
+
 Around them: `viz` (Gantt charts and the README's figures), `lm` (the
 Transformer language model, WikiText-2 and the training loops the notebooks use) and
 `notebook_workers` (code that only one notebook's ``torchrun`` workers run).
