@@ -1,6 +1,8 @@
 # Two entry points, each self-contained on a fresh machine:
 #   make lab    create/update .venv, install everything, open JupyterLab on notebooks/
-#   make test   create/update .venv, install everything, run the unit tests and every notebook
+#               (as root too; prints the URL where no browser can open; make lab PORT=9000)
+#   make test   create/update .venv, install everything, run the unit tests and every notebook,
+#               under nbval and in JupyterLab in Chromium (screenshots in out/browser/)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -16,11 +18,14 @@ $(VENV)/.installed: requirements.txt pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	touch $@
 
+# Empty: Jupyter's default (8888, or $JUPYTER_PORT); a taken port moves to the next free one.
+PORT ?=
+
 lab: $(VENV)/.installed
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/python tools/lab.py $(if $(PORT),--port=$(PORT))
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -p no:cacheprovider tests notebooks --nbval --nbval-current-env -q
+	$(BIN)/python -m pytest -p no:cacheprovider tests notebooks --nbval --nbval-current-env -q -rs
 
 figures: $(VENV)/.installed
 	$(BIN)/python -m pipeline_lib.viz.figures images/
