@@ -77,6 +77,12 @@ class DeferredBatchNorm(_BatchNorm):
         unbiased_var = self.seen_m2 / (self.seen_rows - 1)
         self.running_mean.lerp_(self.seen_mean, factor)
         self.running_var.lerp_(unbiased_var, factor)
+        self.forget_partial_batch()
+
+    def forget_partial_batch(self) -> None:
+        """Drop the micro-batches seen so far this mini-batch. A `Pipe` step that fails
+        half-way calls it: otherwise the next step's first micro-batches would complete
+        the failed one's, and every later commit would fall at the wrong boundary."""
         self.seen_mean.zero_()
         self.seen_m2.zero_()
         self.seen_rows = self.seen_microbatches = 0
