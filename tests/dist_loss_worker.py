@@ -18,73 +18,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pipeline_lib.distributed import DistributedPipe
 from pipeline_lib.distributed.mesh import init_mesh, process_group
+from workloads import padded_batch, token_model, token_sum, tree_batch, tree_model
 
-VOCAB, ROWS, SEQ, PAD, MICROBATCHES, EARLIER = 11, 10, 6, -100, 4, 0.25
+MICROBATCHES, EARLIER = 4, 0.25
 CASES = {"2x1": ["token-gpipe", "token-1f1b", "token-interleaved_1f1b", "token-zb_h1",
                  "token-1f1b-recompute", "tree-1f1b", "tree-zb_h1", "accumulate"],
          "2x2": ["token-1f1b", "token-zb_h1", "accumulate"]}
-
-
-def token_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, 8), nn.Tanh(),
-                         nn.Linear(8, VOCAB))
-
-
-def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    """Row r ends in (r * 7) % SEQ padding tokens: micro-batches and replicas hold
-    different numbers of real tokens."""
-    g = torch.Generator().manual_seed(2)
-    inputs = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
-    target = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
-    for r in range(ROWS):
-        target[r, SEQ - (r * 7) % SEQ:] = PAD
-    return inputs, target
-
-
-def token_sum(logits, target):
-    return (F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=PAD,
-                            reduction="sum"), (target != PAD).sum())
-
-
-def token_mean(logits, target):
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=PAD)
-
-
-class TreeBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
-
-    def forward(self, state):
-        h, (g, (ids, nothing)) = state["h"], state["aux"]
-        assert nothing is None
-        return {"h": torch.tanh(self.a(h)) + g, "scale": state["scale"],
-                "aux": [self.b(h) * state["scale"] + ids.unsqueeze(-1), (ids + 1, None)]}
-
-
-class TreeHead(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.out = nn.Linear(6, 3)
-
-    def forward(self, state):
-        return self.out(state["h"] * state["aux"][0])
-
-
-def tree_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(TreeBlock(), TreeBlock(), TreeBlock(), TreeHead())
-
-
-def tree_batch():
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(ROWS, 6, generator=g), torch.randint(0, 3, (ROWS,), generator=g)
-    return {"h": x, "aux": [x.flip(1), (torch.arange(ROWS) % 3, None)], "scale": 0.5}, y
 
 
 def run(mesh_name: str, out: Path) -> None:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import dist_loss_worker as worker
 from pipeline_lib.distributed.launch import torchrun
+from workloads import padded_batch, token_mean, token_model, tree_batch, tree_model
 
 TESTS = Path(__file__).resolve().parent
 CASES = [(mesh, case) for mesh, cases in worker.CASES.items() for case in cases]
@@ -38,13 +39,13 @@ def results(tmp_path_factory):
 
 def unpipelined(kind: str) -> tuple[float, dict[str, torch.Tensor]]:
     if kind == "tree":
-        model = worker.tree_model()
-        inputs, target = worker.tree_batch()
+        model = tree_model()
+        inputs, target = tree_batch()
         loss = F.cross_entropy(model(inputs), target)
     else:
-        model = worker.token_model()
-        inputs, target = worker.padded_batch()
-        loss = worker.token_mean(model(inputs), target)
+        model = token_model()
+        inputs, target = padded_batch()
+        loss = token_mean(model(inputs), target)
     loss.backward()
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 

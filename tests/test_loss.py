@@ -2,40 +2,13 @@
 and the step's gradients are those of (sum over all tokens) / (total tokens)."""
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipeline_lib import Pipe
 from conftest import assert_same_grads
+from workloads import PAD, padded_batch, token_mean, token_model, token_sum
 
-VOCAB, ROWS, SEQ, PAD = 11, 10, 6, -100
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
-
-
-def token_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, 8), nn.Tanh(),
-                         nn.Linear(8, VOCAB))
-
-
-def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    """Row r ends in (r * 7) % SEQ padding tokens: 4 micro-batches of 3, 3, 2, 2 rows hold
-    14, 10, 7 and 7 real tokens, so a per-micro-batch mean weighs tokens unequally."""
-    g = torch.Generator().manual_seed(2)
-    inputs = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
-    target = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
-    for r in range(ROWS):
-        target[r, SEQ - (r * 7) % SEQ:] = PAD
-    return inputs, target
-
-
-def token_sum(logits, target):
-    return (F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=PAD,
-                            reduction="sum"), (target != PAD).sum())
-
-
-def token_mean(logits, target):
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=PAD)
 
 
 def unpipelined() -> tuple[nn.Sequential, torch.Tensor]:

@@ -8,6 +8,7 @@ from torch import nn
 from pipeline_lib import Pipe, is_checkpointing, is_recomputing, simulate
 from pipeline_lib.schedules import dependencies, gpipe, splits_backward
 from conftest import assert_same_grads
+from workloads import tree_batch, tree_model
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
 CHECKPOINTS = ["always", "except_last", "never"]
@@ -260,40 +261,6 @@ def test_measured_timeline_matches_simulated_shape(schedule, stages, chunks):
 
 
 # -- trees between stages -----------------------------------------------------------------
-
-class TreeBlock(nn.Module):
-    """Takes and returns a dict holding a list, a tuple, an integer tensor, None and a
-    float: every kind of leaf and container that may travel between stages."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
-
-    def forward(self, state):
-        h, (g, (ids, nothing)) = state["h"], state["aux"]
-        assert nothing is None
-        return {"h": torch.tanh(self.a(h)) + g, "scale": state["scale"],
-                "aux": [self.b(h) * state["scale"] + ids.unsqueeze(-1), (ids + 1, None)]}
-
-
-class TreeHead(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.out = nn.Linear(6, 3)
-
-    def forward(self, state):
-        return self.out(state["h"] * state["aux"][0])
-
-
-def tree_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(TreeBlock(), TreeBlock(), TreeBlock(), TreeHead())
-
-
-def tree_batch():
-    x, y = data(12)
-    return {"h": x, "aux": [x.flip(1), (torch.arange(12) % 3, None)], "scale": 0.5}, y
-
 
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
 @pytest.mark.parametrize("schedule", SCHEDULES)
