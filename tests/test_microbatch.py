@@ -39,7 +39,7 @@ def test_inconsistent_batch_sizes_and_missing_tensors():
 
 
 def test_loss_weights_rebuild_the_batch_mean_for_uneven_splits():
-    x = torch.randn(10)
+    x = torch.randn(10, generator=torch.Generator().manual_seed(0)) + 1   # mean far from 0
     parts = split(x, 4)  # 3, 3, 2, 2 rows
     weights = loss_weights(parts)
     assert sum(weights) == pytest.approx(1.0)
