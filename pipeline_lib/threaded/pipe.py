@@ -280,8 +280,8 @@ class _StageFunction(torch.autograd.Function):
             return y, stashed
         # autograd must call the backward whenever the stage has weights to train, even
         # if no input needs a gradient (stage 0): a 0-element input that needs one
-        trains = torch.empty(0, requires_grad=any(p.requires_grad
-                                                  for p in runner.module.parameters()))
+        trainable = any(p.requires_grad for p in runner.module.parameters())
+        trains = torch.empty(0, device=runner.device, requires_grad=trainable)
         flat = iter(_StageFunction.apply(runner, microbatch, x, y, stashed, trains,
                                          *tree.tensors(x), *skips.values()))
         return tree.map_tensors(lambda _: next(flat), y), {key: next(flat) for key in stashed}
