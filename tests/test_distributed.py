@@ -2,14 +2,15 @@
 
 Processes are real: torchrun launches `dist_worker.py` on gloo. Each launch runs every
 schedule and saves what each rank computed; the tests compare it with unpipelined
-training in this process. Six launches in all (2 and 4 processes, changing shapes, three
-failures).
+training in this process. Eleven launches in all (2 and 4 processes, changing shapes,
+seven failures, one of them across two torchrun "machines").
 """
 from __future__ import annotations
 
 import json
 import os
-import signal
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ import torch
 
 import dist_worker as worker
 from pipeline_lib import Pipe
+from pipeline_lib.distributed.launch import kill_job
 from pipeline_lib.distributed.p2p import send_order
 from pipeline_lib.schedules import build, plan
 from pipeline_lib.timeline import Timeline, simulate, simulate_measured
@@ -30,21 +32,34 @@ CASES = [(mesh, name) for mesh in ("2x1", "4x1", "2x2") for name in worker.SCHED
          if worker.runs_on(mesh, name)]
 
 
-def torchrun(nproc: int, *args: str) -> tuple[subprocess.CompletedProcess, float]:
-    """Run the worker; past the deadline, kill torchrun and its workers (one session)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+def torchrun(nproc: int, *args: str, machines: int = 1,
+             flags: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, float]:
+    """Run the worker, ``nproc`` processes per machine; past the deadline, kill torchrun
+    and its workers. ``machines`` > 1 starts that many torchrun agents, as on separate
+    machines: each stops only its own workers when one fails."""
+    if machines == 1:
+        where = ["--standalone"]
+    else:
+        with socket.socket() as free:
+            free.bind(("localhost", 0))
+            port = free.getsockname()[1]
+        where = [f"--nnodes={machines}", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}"]
+    command = [sys.executable, "-m", "torch.distributed.run", *where, *flags,
                "--nproc_per_node", str(nproc), str(REPO / "tests" / "dist_worker.py"), *args]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=env, cwd=REPO, start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"torchrun {' '.join(args)} hung for {LAUNCH_TIMEOUT} s:\n{stdout}{stderr}")
-    done = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    processes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, env=env, cwd=REPO, start_new_session=True)
+                 for _ in range(machines)]
+    outputs, codes = [], []
+    for process in processes:
+        try:
+            outputs.append(process.communicate(timeout=LAUNCH_TIMEOUT)[0])
+        except subprocess.TimeoutExpired:
+            hung = "\n".join(kill_job(p) for p in processes)
+            pytest.fail(f"torchrun {' '.join(args)} hung for {LAUNCH_TIMEOUT} s:\n{hung}")
+        codes.append(process.returncode)
+    done = subprocess.CompletedProcess(command, max(codes, key=abs), "\n".join(outputs), "")
     return done, time.monotonic() - start
 
 
@@ -133,18 +148,66 @@ def test_timeline_has_every_action_in_program_order(results, mesh, name):
         assert all(a.end <= b.start for a, b in zip(events, events[1:]))
 
 
+def failed_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if re.match(r"rank \d+ failed", line)]
+
+
 def test_failing_rank_stops_every_rank_and_names_it():
-    """Rank 0 is computing (a long forward) when rank 1 fails: its watchdog must stop it
-    (no error of its own: "here: ..." would mean a failed wait noticed it instead)."""
+    """Rank 0 is computing (a long forward) when rank 1 fails: torchrun stops it, and
+    rank 1's error is the one reported."""
     done, seconds = torchrun(2, "--scenario", "raise")
     output = done.stdout + done.stderr
     assert done.returncode != 0
     assert seconds < 60 < worker.SLEEP
+    [failed] = failed_lines(output)
+    assert failed.startswith("rank 1 failed: RuntimeError: boom: injected failure")
+    assert "running 1F1 of GPipe" in failed
+
+
+def test_watchdog_stops_a_rank_on_another_machine():
+    """torchrun on rank 0's machine does not stop it when rank 1 fails on another: the
+    watchdog does, naming rank 1's error (not a failed wait of its own: "here: ...")."""
+    done, seconds = torchrun(1, "--scenario", "raise", machines=2)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert seconds < 90 < worker.SLEEP
     assert "rank 1 failed: RuntimeError: boom: injected failure" in output
-    assert "running 1F1 of GPipe" in output
     stopped = [line for line in output.splitlines() if line.startswith("rank 0: stopping")]
     assert len(stopped) == 1 and "because rank 1 failed" in stopped[0]
     assert "(here:" not in stopped[0]
+
+
+def test_killed_rank_is_reported_lost_not_as_the_failure_of_the_rank_that_noticed():
+    """Rank 1's process dies without a word (like the OOM killer's victim) while rank 0
+    waits for its message. (torchrun looks every 2 s, so that rank 0 notices first.)"""
+    done, seconds = torchrun(2, "--scenario", "killed", flags=("--monitor-interval=2",))
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert seconds < 60
+    assert ("rank 1 lost: its process ended without reporting an error (killed, e.g. by "
+            "the out-of-memory killer?) while rank 0 was receiving the gradient for stage 0"
+            in output)
+    assert failed_lines(output) == []
+
+
+def test_ranks_given_different_mesh_arguments_are_named():
+    done, seconds = torchrun(2, "--scenario", "mesh_args")
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert seconds < 60
+    assert ("the ranks were given different init_mesh arguments: rank 0 has {'pp': 2, "
+            "'dp': 1, 'timeout': 60.0}; rank 1 has {'pp': 1, 'dp': 2, 'timeout': 60.0}"
+            in output)
+
+
+def test_ranks_running_different_step_counts_are_named():
+    """Rank 1 runs one step fewer: one of them times out (after 10 s) and says why."""
+    done, seconds = torchrun(2, "--scenario", "steps", "--timeout", "10")
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert seconds < 60
+    assert "the ranks ran different numbers of steps" in output or \
+        "did the ranks run different numbers of steps?" in output, output
 
 
 def test_shape_mismatch_between_stages_is_reported_not_hung():

@@ -1,5 +1,5 @@
 """The processes of a multi-process pipeline: how they start, how they are laid out in a
-``dp × pp`` grid, and how one rank's failure stops them all.
+``dp × pp`` grid, and how a failure on one rank stops them all with its reason.
 
 Layout
 ------
@@ -18,108 +18,150 @@ for why).
 
 Failures
 --------
-A rank that raises while its peers wait for its messages must not leave them hanging
-until a timeout. Inside `process_group`, a failing rank writes its error into the c10d
-store and exits; every rank runs a watchdog thread that polls the store and, on seeing a
-failure, prints which rank failed and why and exits too. torchrun then sees non-zero exit
-codes and tears the group down. Waits still time out (``timeout``) for what the store
-cannot see, such as a rank killed by the OOM killer.
+torchrun already stops a job on one machine: once a worker exits with an error, it
+terminates the others. `process_group` adds the reason, and the one case torchrun misses:
+
+* A rank whose code raises writes ``rank N failed: ...`` into the c10d store, then exits.
+  A rank that fails only because a peer vanished (a closed connection) names that entry
+  rather than blaming itself; with no entry, the peer died without a word (killed, e.g.
+  by the out-of-memory killer): ``rank N lost``.
+* Ranks that disagree are named rather than left to time out with gloo's "Timed out
+  waiting ... for recv": `init_mesh` compares its arguments across ranks, and a rank that
+  leaves the block marks it in the store, so a rank still waiting for it can say that the
+  ranks ran different numbers of steps.
+* **The watchdog, only across machines.** torchrun on another machine does not stop its
+  workers when one elsewhere fails; they would wait for the lost peer until ``timeout``
+  (NCCL does not even notice a vanished peer before then). So in a job that spans
+  machines a thread polls the store and stops its rank as soon as another reports a
+  failure.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator, NoReturn
+from typing import Any, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from pipeline_lib.distributed.launch import backend_for, worker_device
 
-_FAILURES = "pipeline_lib/failures/"
+
+class RankLost(RuntimeError):
+    """A peer's process ended without reporting an error: its connection closed."""
+
+    def __init__(self, rank: int, doing: str):
+        super().__init__(f"rank {rank} lost: its process ended without reporting an error "
+                         f"(killed, e.g. by the out-of-memory killer?) {doing}")
+        self.rank = rank
+
+
+def connection_closed(exc: BaseException) -> bool:
+    """Whether a communication error means that the peer's process is gone (gloo's and
+    NCCL's words for it)."""
+    return any(words in str(exc) for words in ("Connection closed by peer",
+                                                "Connection reset by peer",
+                                                "remote process exited"))
 
 
 def _exit(message: str) -> NoReturn:
     """Leave now: pending point-to-point work can block a normal interpreter shutdown."""
-    if message:
-        print(message, file=sys.stderr, flush=True)
+    print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(1)
 
 
-class _Watchdog(threading.Thread):
-    """Turns any rank's failure into every rank's exit."""
+class _Board:
+    """Keys in the c10d store where each rank says how it ended: ``failed/rank{r}`` holds
+    its error, ``finished/rank{r}`` says that it has left the ``process_group`` block."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, poll: float = 0.1):
-        super().__init__(name="pipeline-watchdog", daemon=True)
-        self.store = dist.PrefixStore(_FAILURES, store)
-        self.rank, self.world_size, self.poll = rank, world_size, poll
-        self.stopped = threading.Event()
+    def __init__(self, store: dist.Store, rank: int, world_size: int):
+        self.store = dist.PrefixStore("pipeline_lib/", store)
+        self.rank, self.world_size = rank, world_size
+        self.finishing = False
+
+    def ranks(self, kind: str) -> list[int]:
+        return [r for r in range(self.world_size) if self.store.check([f"{kind}/rank{r}"])]
 
     def failures(self) -> list[str]:
-        return [self.store.get(f"rank{r}").decode() for r in range(self.world_size)
-                if self.store.check([f"rank{r}"])]
+        return [self.store.get(f"failed/rank{r}").decode() for r in self.ranks("failed")]
 
-    def run(self) -> None:
-        while not self.stopped.wait(self.poll):
+    def fail(self, exc: BaseException) -> NoReturn:
+        """Print and publish why this rank stops, then exit. If another rank failed
+        first, ours is most likely a consequence (a closed connection): name theirs."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)   # torchrun: let us finish the sentence
+        here = f"{type(exc).__name__}: {exc}"
+        with contextlib.suppress(Exception):   # the store may have gone with its machine
+            if others := self.failures():
+                _exit(f"rank {self.rank}: stopping because {'; '.join(others)} (here: {here})")
+        traceback.print_exception(exc)
+        mine = self._reason(exc, here)
+        with contextlib.suppress(Exception):
+            self.store.set(f"failed/rank{self.rank}", mine)
+        _exit(mine)
+
+    def _reason(self, exc: BaseException, here: str) -> str:
+        if isinstance(exc, RankLost):
+            return str(exc)
+        if connection_closed(exc):
+            return (f"a rank was lost: its process ended without reporting an error (killed, "
+                    f"e.g. by the out-of-memory killer?); rank {self.rank} noticed: {here}")
+        notes = getattr(exc, "__notes__", [])
+        reason = f"rank {self.rank} failed: {here}" + (f" ({'; '.join(notes)})" if notes else "")
+        with contextlib.suppress(Exception):
+            finished = self.ranks("finished")
+            if finished and not self.finishing and "timed out" in here.lower():
+                reason += (f"; ranks {finished} had already finished their work: the ranks "
+                           f"ran different numbers of steps (or collectives)")
+        return reason
+
+    def finish(self, timeout: float) -> None:
+        """A barrier through the store, which can say who did not arrive."""
+        self.finishing = True
+        self.store.set(f"finished/rank{self.rank}", "")
+        try:
+            self.store.wait([f"finished/rank{r}" for r in range(self.world_size)],
+                            timedelta(seconds=timeout))
+        except Exception:  # noqa: BLE001 - the store's timeout: say who is missing
+            missing = sorted(set(range(self.world_size)) - set(self.ranks("finished")))
+            raise TimeoutError(
+                f"rank {self.rank} finished its work, but ranks {missing} had not {timeout:g} s "
+                f"later: they are still computing (raise the timeout), or wait for messages "
+                f"that finished ranks will never send (did the ranks run different numbers "
+                f"of steps?)") from None
+
+    def watch(self, poll: float = 0.1) -> None:
+        """The watchdog of a job across machines (see the module docstring)."""
+        while True:
+            time.sleep(poll)
             try:
-                failed = self.store.check(["count"])
-                reasons = self.failures() if failed else []
-            except Exception as exc:  # noqa: BLE001 - any store error means the group is gone
-                if not self.stopped.is_set():
+                failed = self.failures()
+            except Exception as exc:  # noqa: BLE001 - the store went with its machine
+                if not self.finishing:
                     _exit(f"rank {self.rank}: lost contact with the other ranks "
                           f"(c10d store: {exc}); stopping")
                 return
-            if failed and not self.stopped.is_set():
-                print(f"rank {self.rank}: stopping because " + "; ".join(reasons),
-                      file=sys.stderr, flush=True)
-                with contextlib.suppress(Exception):
-                    self.store.add("acknowledged", 1)
-                _exit("")
-
-    def report(self, exc: BaseException) -> NoReturn:
-        """Called on a rank whose work raised: publish the error, then exit. If another
-        rank failed first, ours is most likely a consequence (a closed connection): name
-        theirs instead."""
-        self.stopped.set()
-        here = f"{type(exc).__name__}: {exc}"
-        try:
-            others = self.failures()
-        except Exception:  # noqa: BLE001 - store gone with its host: torchrun stops the rest
-            others = []
-        if others:
-            _exit(f"rank {self.rank}: stopping because " + "; ".join(others)
-                  + f" (here: {here})")
-        traceback.print_exception(exc)
-        notes = getattr(exc, "__notes__", [])
-        mine = f"rank {self.rank} failed: {here}" + (f" ({'; '.join(notes)})" if notes else "")
-        print(mine, file=sys.stderr, flush=True)
-        with contextlib.suppress(Exception):
-            self.store.set(f"rank{self.rank}", mine)
-            self.store.add("count", 1)
-            # Stay until every other rank has said why it stops (a few seconds at most):
-            # once this process exits, torchrun kills the others, perhaps mid-sentence.
-            deadline = time.monotonic() + 10.0
-            while (self.store.add("acknowledged", 0) < self.world_size - 1
-                   and time.monotonic() < deadline):
-                time.sleep(self.poll)
-        _exit("")
+            if failed:
+                _exit(f"rank {self.rank}: stopping because " + "; ".join(failed))
 
 
 @contextlib.contextmanager
 def process_group(backend: str | None = None, timeout: float = 300.0) -> Iterator[None]:
     """Join the process group torchrun set up (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-    ...), watch for failures until the block ends, then leave cleanly. The backend is
-    NCCL if every worker on this machine has a GPU (`launch.worker_device`), else gloo.
+    ...) for the block, then leave it once every rank has finished. The backend is NCCL
+    if every worker on this machine has a GPU (`launch.worker_device`), else gloo.
 
-    If the block raises on any rank, every rank exits (status 1) with a message naming the
-    failing rank and its error. ``timeout`` bounds rendezvous and process-group creation.
+    If the block raises on any rank, that rank prints and publishes why and exits with
+    status 1, and every other rank stops (see the module docstring). ``timeout`` bounds
+    rendezvous, every wait, and how long a finished rank waits for the others.
     """
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                if v not in os.environ]
@@ -131,15 +173,27 @@ def process_group(backend: str | None = None, timeout: float = 300.0) -> Iterato
     store, rank, world_size = next(dist.rendezvous("env://", timeout=wait))
     dist.init_process_group(backend, store=dist.PrefixStore("pipeline_lib/pg", store),
                             rank=rank, world_size=world_size, timeout=wait)
-    watchdog = _Watchdog(store, rank, world_size)
-    watchdog.start()
+    board = _Board(store, rank, world_size)
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) < world_size:   # several machines
+        threading.Thread(target=board.watch, name="pipeline-watchdog", daemon=True).start()
     try:
         yield
+        board.finish(timeout)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the other ranks
-        watchdog.report(exc)
-    dist.barrier()          # nobody tears down the store while others still use it
-    watchdog.stopped.set()
+        board.fail(exc)
     dist.destroy_process_group()
+
+
+def check_same_everywhere(what: str, config: dict[str, Any]) -> None:
+    """Raise on every rank if the ranks were given different ``config``: ranks that
+    disagree about the job would wait for messages that never come."""
+    configs: list[dict[str, Any] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(configs, config)
+    differ = [r for r, c in enumerate(configs) if c != configs[0]]
+    if differ:
+        raise ValueError(f"the ranks were given different {what}: rank 0 has {configs[0]}; "
+                         + "; ".join(f"rank {r} has {configs[r]}" for r in differ)
+                         + ": every rank must run the same program with the same arguments")
 
 
 @dataclass(frozen=True)
@@ -188,6 +242,7 @@ def init_mesh(pp: int, dp: int = 1, timeout: float = 300.0) -> Mesh:
     if not dist.is_initialized():
         raise RuntimeError("init_mesh needs a process group: call it inside "
                            "`with pipeline_lib.distributed.mesh.process_group():`")
+    check_same_everywhere("init_mesh arguments", dict(pp=pp, dp=dp, timeout=timeout))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if pp < 1 or dp < 1 or pp * dp != world_size:
         raise ValueError(f"pp × dp = {pp} × {dp} must equal the number of processes, "
@@ -210,14 +265,14 @@ def init_mesh(pp: int, dp: int = 1, timeout: float = 300.0) -> Mesh:
             group = dist.new_group([d * pp + src, d * pp + dst], timeout=wait)
             if d == replica and pipe_rank in (src, dst):
                 links[(src, dst)] = group
-    _connect(links, replica * pp, pipe_rank, device, wait)
+    _connect(links, replica * pp, pipe_rank, device)
     dist.barrier()
     return Mesh(pp, dp, rank, replica, pipe_rank, device, timeout, dp_group, links,
                 clock_zero=time.perf_counter())
 
 
 def _connect(links: dict[tuple[int, int], dist.ProcessGroup], first_rank: int,
-             me: int, device: torch.device, wait: timedelta) -> None:
+             me: int, device: torch.device) -> None:
     """Send one tiny message over every link, in one global order. NCCL creates a
     communicator on a group's first operation and blocks the sender until the receiver
     joins; doing it here, in an order every rank follows, cannot deadlock, and a broken
@@ -228,6 +283,6 @@ def _connect(links: dict[tuple[int, int], dist.ProcessGroup], first_rank: int,
         if me == src:
             sends.append(dist.isend(probe, first_rank + dst, group=links[(src, dst)]))
         else:
-            dist.irecv(probe, first_rank + src, group=links[(src, dst)]).wait(wait)
+            dist.recv(probe, first_rank + src, group=links[(src, dst)])
     for work in sends:
-        work.wait(wait)
+        work.wait()
