@@ -91,7 +91,9 @@ class _Board:
         return [r for r in range(self.world_size) if self.store.check([f"{kind}/rank{r}"])]
 
     def failures(self) -> list[str]:
-        return [self.store.get(f"failed/rank{r}").decode() for r in self.ranks("failed")]
+        """What the other ranks that failed said."""
+        return [self.store.get(f"failed/rank{r}").decode() for r in self.ranks("failed")
+                if r != self.rank]
 
     def fail(self, exc: BaseException) -> NoReturn:
         """Print and publish why this rank stops, then exit. If another rank failed
@@ -118,7 +120,8 @@ class _Board:
         reason = f"rank {self.rank} failed: {here}" + (f" ({'; '.join(notes)})" if notes else "")
         with contextlib.suppress(Exception):
             finished = self.ranks("finished")
-            if finished and not self.finishing and "timed out" in here.lower():
+            timed_out = "timed out" in here.lower() or "timeout" in here.lower()
+            if finished and timed_out and not self.finishing:
                 reason += (f"; ranks {finished} had already finished their work: the ranks "
                            f"ran different numbers of steps (or collectives)")
         return reason
