@@ -1,10 +1,11 @@
 """One rank of the multi-process tests; `test_distributed.py` launches it with torchrun.
 
 ``--scenario schedules --meshes 4x1,2x2 --out DIR``: for each ``pp x dp`` mesh, every
-schedule (and 1F1B recomputing every micro-batch, and with dropout) on a tiny Transformer
-LM, saving each rank's loss, gradients (by the full model's parameter names) and
-parameters after one SGD step, and rank 0's timeline. Each runs two steps on one batch and
-saves the second: its messages travel as one buffer each, into receives posted early.
+schedule (and 1F1B recomputing every micro-batch, and with dropout; interleaved 1F1B on
+the plain transport, `post_early=False`) on a tiny Transformer LM, saving each rank's
+loss, gradients (by the full model's parameter names) and parameters after one SGD step,
+and rank 0's timeline. Each runs two steps on one batch and saves the second: its
+messages travel into receives posted early (except on the plain transport).
 ``shapes`` trains on batches whose sequence length changes, saving every step's loss.
 The other scenarios fail, to check that every rank stops and the output says why: in
 ``raise``, rank 1 raises while rank 0 is in the middle of a 2-minute forward; in
