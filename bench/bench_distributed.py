@@ -8,9 +8,10 @@ Two ranks with one intra-op thread each (torchrun, gloo), against one process wi
 with two threads. "pipeline_lib plain" is the same pipeline on the transport's first layer
 only (`p2p.Transport`: header, then tensors, each waiting for its receive); "pipeline_lib"
 adds its second (`p2p.PostedEarly`: receives posted before they are needed). One step is
-the forward and backward of the global batch, between barriers. For each micro-batch count m, t_s is the measured forward + backward time of one
-micro-batch on stage s (from pipeline_lib's own timelines), and the ideal fill-drain step
-takes Σt_s + (m-1)·max t_s; "of ideal" is that over the measured step time.
+the forward and backward of the global batch, between barriers. For each micro-batch
+count m, t_s is the measured forward + backward time of one micro-batch on stage s (from
+pipeline_lib's own timelines), and the ideal fill-drain step takes Σt_s + (m-1)·max t_s;
+"of ideal" is that over the measured step time.
 Prints one JSON object per run, then a table.
 """
 from __future__ import annotations
