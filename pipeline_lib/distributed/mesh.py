@@ -59,8 +59,8 @@ class RankLost(RuntimeError):
 
     def __init__(self, rank: int, doing: str):
         super().__init__(f"rank {rank} lost: its process ended without reporting an error "
-                         f"(killed, e.g. by the out-of-memory killer?) {doing}")
-        self.rank = rank
+                         f"(killed, e.g. by the out-of-memory killer?) while {doing}")
+        self.rank, self.doing = rank, doing
 
 
 def connection_closed(exc: BaseException) -> bool:
@@ -100,7 +100,7 @@ class _Board:
         first, ours is most likely a consequence (a closed connection): name theirs."""
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)   # torchrun: let us finish the sentence
-        here = f"{type(exc).__name__}: {exc}"
+        here = exc.doing if isinstance(exc, RankLost) else f"{type(exc).__name__}: {exc}"
         with contextlib.suppress(Exception):   # the store may have gone with its machine
             if others := self.failures():
                 _exit(f"rank {self.rank}: stopping because {'; '.join(others)} (here: {here})")

@@ -224,8 +224,8 @@ class Transport:
             yield
         except RuntimeError as exc:
             if connection_closed(exc):
-                raise RankLost(peer, f"while rank {self.mesh.rank} was receiving "
-                                     f"{expected} from it") from exc
+                raise RankLost(peer, f"rank {self.mesh.rank} was receiving {expected} "
+                                     f"from rank {peer}") from exc
             exc.add_note(f"rank {self.mesh.rank} was receiving {expected} from rank {peer} "
                          f"(waits time out after {self.mesh.timeout:g} s)")
             raise
