@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline_lib.distributed import DistributedPipe
-from pipeline_lib.distributed.mesh import Mesh, init_mesh, process_group
+from pipeline_lib.distributed.job import process_group
+from pipeline_lib.distributed.mesh import Mesh, init_mesh
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.partition import balance_by_time
 from timing import Runner, alternate, paired_ratio  # bench/timing.py, beside this file

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline_lib.distributed import DistributedPipe
-from pipeline_lib.distributed.mesh import init_mesh, process_group
+from pipeline_lib.distributed.job import process_group
+from pipeline_lib.distributed.mesh import init_mesh
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.schedules import Action, Schedule
 

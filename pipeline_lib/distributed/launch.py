@@ -29,7 +29,7 @@ def _tail(text: str, lines: int = 40) -> str:
 
 
 def _reasons(output: str) -> str:
-    """The lines where ranks said why they stopped (`mesh.process_group` prints them)."""
+    """The lines where ranks said why they stopped (`job.process_group` prints them)."""
     said = re.findall(r"^(?:rank \d+ (?:failed|lost)|rank \d+: stopping|a rank was lost).*$",
                       output, flags=re.MULTILINE)
     return "".join(f"\n  {line}" for line in dict.fromkeys(said))

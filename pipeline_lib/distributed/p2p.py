@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipeline_lib.distributed.mesh import Mesh, RankLost, connection_closed
+from pipeline_lib.distributed.job import RankLost, connection_closed
+from pipeline_lib.distributed.mesh import Mesh
 from pipeline_lib.schedules import Schedule
 
 HEADER_SLOTS = 64

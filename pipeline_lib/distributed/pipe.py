@@ -9,7 +9,7 @@ activations and gradients travel differs, and that is the lesson of this module.
 Every process runs the same script under torchrun (``torchrun --nproc_per_node 4 -m
 pipeline_lib.lm.train --pp 2 --dp 2`` trains the Transformer LM)::
 
-    with process_group():                       # see `pipeline_lib.distributed.mesh`
+    with process_group():                       # see `pipeline_lib.distributed.job`
         mesh = init_mesh(pp=2, dp=2)
         pipe = DistributedPipe(build_model(), mesh, balance=[5, 5], chunks=8)
         optimizer = torch.optim.AdamW(pipe.parameters())

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline_lib.distributed.launch import worker_device
-from pipeline_lib.distributed.mesh import process_group
+from pipeline_lib.distributed.job import process_group
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.lm.loops import lm_loss
 from pipeline_lib.notebook_workers import results

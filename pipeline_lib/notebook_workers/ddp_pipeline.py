@@ -32,7 +32,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipeline_lib.distributed.pipe import DistributedPipe
 from pipeline_lib.distributed.launch import backend_for, worker_device
-from pipeline_lib.distributed.mesh import Mesh, init_mesh, process_group
+from pipeline_lib.distributed.job import process_group
+from pipeline_lib.distributed.mesh import Mesh, init_mesh
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.timeline import Event, Timeline
 from pipeline_lib.lm.loops import lm_loss

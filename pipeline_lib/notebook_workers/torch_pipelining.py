@@ -43,7 +43,7 @@ from torch.distributed.pipelining.schedules import _ComputationType
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from pipeline_lib.distributed.launch import worker_device
-from pipeline_lib.distributed.mesh import process_group
+from pipeline_lib.distributed.job import process_group
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.schedules import Action, Schedule
 from pipeline_lib.timeline import Event, Timeline
