@@ -18,7 +18,7 @@ from pipeline_lib.devices import stage_devices, transfer
 from pipeline_lib.microbatch import gather, loss_weights, split
 from pipeline_lib.partition import group_layers
 from pipeline_lib.rng import microbatch_rng, new_step_seed, seed_for
-from pipeline_lib.schedules import Action, Schedule, plan
+from pipeline_lib.schedules import Action, Schedule, plan, ranks_for
 from pipeline_lib.skip import SkipError, SkipKey, SkipTracker, describe, skip_routes, use_tracker
 from pipeline_lib.stage import LossFn, StageRunner
 from pipeline_lib.threaded.threads import Mailbox, run_programs
@@ -168,19 +168,14 @@ class Pipe(nn.Module):
 
     def _schedule(self, schedule: str | Schedule, microbatches: int) -> Schedule:
         n = len(self.partitions)
-        if schedule == "interleaved_1f1b" and n % 2:
-            raise ValueError(f"interleaved_1f1b puts 2 stages on each device, so it needs an "
-                             f"even number of stages, not {n}")
-        if isinstance(schedule, Schedule):
-            ranks = schedule.ranks
-        else:
-            ranks = n // 2 if schedule == "interleaved_1f1b" else n
+        ranks = schedule.ranks if isinstance(schedule, Schedule) else ranks_for(schedule, n)
         schedule = plan(schedule, ranks, n, microbatches)
         for s in range(n):
-            if self.devices[s] != self.devices[schedule.rank_of(s)]:
+            first = schedule.stages_on(schedule.rank_of(s))[0]   # sets the rank's device
+            if self.devices[s] != self.devices[first]:
                 raise ValueError(f"{schedule.name} runs stage {s} on rank "
                                  f"{schedule.rank_of(s)}, so it must be on device "
-                                 f"{self.devices[schedule.rank_of(s)]}, not {self.devices[s]}")
+                                 f"{self.devices[first]}, not {self.devices[s]}")
         return schedule
 
     def step(self, inputs: Any, target: Any, loss_fn: LossFn,
@@ -236,7 +231,7 @@ class Pipe(nn.Module):
                 if s > 0:
                     mailbox.put(("B", s - 1, i), transfer(grad_in, self.devices[s - 1]))
 
-        rank_devices = [self.devices[r] for r in range(plan.ranks)]
+        rank_devices = [self.devices[plan.stages_on(r)[0]] for r in range(plan.ranks)]
         self.timeline = run_programs(plan.actions, rank_devices, receive, compute, mailbox,
                                      plan.name)
         losses = runners[-1].losses
