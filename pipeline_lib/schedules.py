@@ -192,16 +192,17 @@ def rounds(ranks: int, microbatches: int) -> list[range]:
 
 
 def _looped(name: str, ranks: int, microbatches: int, virtual_stages: int,
-            ahead: Callable[[int, int], int], weight_lag: Callable[[int], int] | None = None
-            ) -> Schedule:
+            ahead: Callable[[int, int], int], weight_lag: Callable[[int], int] | None = None,
+            in_rounds: bool = True) -> Schedule:
     """A looped schedule: rank ``r`` holds stages ``r, r + p, r + 2p, ...``. Its forwards go
-    round by round, chunk after chunk; its backwards the same, chunks in reverse.
-    ``ahead(r, first round's size)`` and ``weight_lag(r)`` as in `one_forward_one_backward`."""
+    round by round (`rounds`, or all m at once), chunk after chunk; its backwards the same,
+    chunks in reverse. ``ahead(r, first round's size)`` and ``weight_lag(r)`` as in
+    `one_forward_one_backward`."""
     _check_sizes(ranks, microbatches)
     p, m, v = ranks, microbatches, virtual_stages
     if v < 1:
         raise ValueError(f"virtual_stages must be >= 1, got {v}")
-    groups = rounds(p, m)
+    groups = rounds(p, m) if in_rounds else [range(m)]
     actions = []
     for r in range(p):
         forwards = [(c * p + r, i) for g in groups for c in range(v) for i in g]
@@ -241,9 +242,10 @@ def interleaved_zero_bubble(stages: int, microbatches: int,
 def looped_bfs(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
     """Breadth-first looped schedule (Lamy-Poirier, 2022): each rank runs all micro-batches
     through its first chunk, then its second..., then all backwards, last chunk first.
-    GPipe on a loop: the fill costs a chunk, not a stage, but all m stay in flight."""
+    GPipe on a loop: the fill costs a chunk, not a stage, but all m stay in flight.
+    (PyTorch's runs each chunk's backwards last micro-batch first: the same times.)"""
     return _looped("Looped BFS", stages, microbatches, virtual_stages,
-                   ahead=lambda r, g: microbatches * virtual_stages)
+                   ahead=lambda r, g: microbatches * virtual_stages, in_rounds=False)
 
 
 class _Program:

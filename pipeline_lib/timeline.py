@@ -221,6 +221,20 @@ def rank_facts(schedule: Schedule, timeline: Timeline) -> list[RankFacts]:
     return facts
 
 
+def summary(schedule: Schedule, timeline: Timeline) -> dict:
+    """One row of a table that compares schedules: the step's makespan and bubble share,
+    and the worst rank's bubble, peak activations and parameters (`RankFacts` units), and
+    the messages of the whole step."""
+    facts = rank_facts(schedule, timeline)
+    return {"schedule": schedule.name, "ranks": schedule.ranks,
+            "microbatches": schedule.microbatches, "makespan": timeline.makespan,
+            "bubble_fraction": timeline.bubble_fraction(),
+            "bubble": max(f.bubble for f in facts),
+            "activations": max(f.activations for f in facts),
+            "parameters": max(f.parameters for f in facts),
+            "messages": sum(f.messages for f in facts)}
+
+
 def simulate_measured(schedule: Schedule, timeline: Timeline) -> Timeline:
     """The simulator fed this run's mean time per (stage, action kind): what the schedule
     would do on these stages with free communication and no overhead. Its bubble is the
