@@ -19,6 +19,7 @@ Vocabulary
 """
 from __future__ import annotations
 
+import itertools
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import AbstractSet, Callable, Literal, NamedTuple, Sequence
@@ -513,48 +514,51 @@ def _check_placement(schedule: Schedule) -> None:
                             f"no stage to ranks {idle}")
 
 
-def _check_actions(schedule: Schedule) -> dict[Action, tuple[int, int]]:
-    """Each action where it runs, ``(rank, step)``, after checking that every (stage,
-    micro-batch) runs one F and one B, or one I and one W, on the rank holding the stage."""
+def _check_actions(schedule: Schedule
+                   ) -> tuple[dict[Action, tuple[int, int]], frozenset[tuple[int, int]]]:
+    """Each action where it runs, ``(rank, step)``, and `splits_backward`, after checking
+    that every (stage, micro-batch) runs one F and one B, or one I and one W, on the rank
+    holding the stage."""
     p, S, m = schedule.ranks, schedule.stages, schedule.microbatches
     if len(schedule.actions) != p:
         raise ScheduleError(f"{schedule.name}: has programs for {len(schedule.actions)} "
                             f"ranks, expected {p}")
     _check_placement(schedule)
+    owner = [schedule.rank_of(s) for s in range(S)]
     where: dict[Action, tuple[int, int]] = {}
+    runs: dict[str, set[tuple[int, int]]] = {kind: set() for kind in KINDS}
     for r, program in enumerate(schedule.actions):
         for step, a in enumerate(program):
-            if a.kind not in KINDS:
-                raise ScheduleError(f"rank {r} step {step}: unknown action kind {a.kind!r}")
-            if not (0 <= a.stage < S and 0 <= a.microbatch < m):
+            s, kind, i = a
+            if kind not in runs:
+                raise ScheduleError(f"rank {r} step {step}: unknown action kind {kind!r}")
+            if not (0 <= s < S and 0 <= i < m):
                 raise ScheduleError(f"rank {r} step {step}: {a} is out of range "
                                     f"(stages 0..{S - 1}, micro-batches 0..{m - 1})")
-            if schedule.rank_of(a.stage) != r:
-                raise ScheduleError(f"rank {r} step {step}: {a} belongs to stage {a.stage}, "
-                                    f"which lives on rank {schedule.rank_of(a.stage)}")
+            if owner[s] != r:
+                raise ScheduleError(f"rank {r} step {step}: {a} belongs to stage {s}, "
+                                    f"which lives on rank {owner[s]}")
             if a in where:
-                raise ScheduleError(f"rank {r} step {step}: {a} (micro-batch {a.microbatch}"
-                                    f" on stage {a.stage}) appears twice")
+                raise ScheduleError(f"rank {r} step {step}: {a} (micro-batch {i}"
+                                    f" on stage {s}) appears twice")
             where[a] = (r, step)
-    kinds: dict[tuple[int, int], set[str]] = defaultdict(set)
-    for a in where:
-        kinds[(a.stage, a.microbatch)].add(a.kind)
-    any_split = any(has & {"I", "W"} for has in kinds.values())
-    for s in range(S):
-        for i in range(m):
-            has = kinds[(s, i)]
-            if "B" in has and has & {"I", "W"}:
-                r, step = where[Action(s, "B", i)]
-                raise ScheduleError(f"rank {r} step {step}: {Action(s, 'B', i)} mixes a full "
-                                    f"backward B with split I/W backwards of the same "
-                                    f"micro-batch {i} on stage {s}; use one or the other")
-            for k in ["F"] + (["I", "W"] if has & {"I", "W"} else ["B"]):
-                if k not in has:
-                    what = "B (or I and W)" if k == "B" and any_split else k
+            runs[kind].add((s, i))
+    split = runs["I"] | runs["W"]
+    for s, i in sorted(runs["B"] & split):
+        r, step = where[Action(s, "B", i)]
+        raise ScheduleError(f"rank {r} step {step}: {Action(s, 'B', i)} mixes a full "
+                            f"backward B with split I/W backwards of the same "
+                            f"micro-batch {i} on stage {s}; use one or the other")
+    complete = len(runs["F"]) == len(runs["B"] | split) == S * m and runs["I"] == runs["W"]
+    if not complete:
+        for s, i in itertools.product(range(S), range(m)):   # find the first gap
+            for kind in ["F"] + (["I", "W"] if (s, i) in split else ["B"]):
+                if (s, i) not in runs[kind]:
+                    what = "B (or I and W)" if kind == "B" and split else kind
                     raise ScheduleError(f"{schedule.name}: stage {s} never runs {what} of "
-                                        f"micro-batch {i} (action {Action(s, k, i)}), on "
-                                        f"rank {schedule.rank_of(s)}")
-    return where
+                                        f"micro-batch {i} (action {Action(s, kind, i)}), on "
+                                        f"rank {owner[s]}")
+    return where, frozenset(split)
 
 
 def execution_order(schedule: Schedule) -> list[tuple[int, Action, list[Action]]]:
@@ -565,8 +569,8 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action, list[Action]]
     that one is: every action is looked at a bounded number of times, so this takes time
     linear in the number of actions.
     """
-    where = _check_actions(schedule)
-    S, split = schedule.stages, splits_backward(schedule)
+    where, split = _check_actions(schedule)
+    S = schedule.stages
     done: set[Action] = set()
     order: list[tuple[int, Action, list[Action]]] = []
     pc = [0] * schedule.ranks
@@ -578,14 +582,17 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action, list[Action]]
         while pc[r] < len(program):
             a = program[pc[r]]
             deps = dependencies(a, S, split)
-            missing = next((d for d in deps if d not in done), None)
-            if missing is not None:
-                waiting[missing].append(r)
-                break
-            done.add(a)
-            order.append((r, a, deps))
-            pc[r] += 1
-            ready.extend(waiting.pop(a, ()))
+            for d in deps:
+                if d not in done:
+                    waiting[d].append(r)   # woken when d is done
+                    break
+            else:
+                done.add(a)
+                order.append((r, a, deps))
+                pc[r] += 1
+                ready.extend(waiting.pop(a, ()))
+                continue
+            break
     stuck = [(r, pc[r], schedule.actions[r][pc[r]]) for r in range(schedule.ranks)
              if pc[r] < len(schedule.actions[r])]
     if stuck:

@@ -9,13 +9,15 @@ import math
 import numbers
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from pipeline_lib.schedules import Action, Schedule, destination, execution_order
 
 
-@dataclass(frozen=True)
-class Event:
+class Event(NamedTuple):
+    """One action on one rank, from ``start`` to ``end``. A tuple, like `Action`: the
+    simulator makes one per action, hundreds of thousands for a large pipeline."""
+
     rank: int
     action: Action
     start: float
@@ -161,7 +163,9 @@ def simulate(schedule: Schedule, forward: Cost = 1.0, backward: Cost = 2.0,
     for r, a, deps in execution_order(schedule):
         start = clock[r]
         for d in deps:
-            start = max(start, end[d] + (comm if rank_of[d.stage] != r else 0.0))
+            arrival = end[d] + comm if rank_of[d.stage] != r else end[d]
+            if arrival > start:
+                start = arrival
         clock[r] = end[a] = start + cost[a.kind][a.stage]
         events.append(Event(r, a, start, end[a]))
     events.sort(key=lambda e: (e.start, e.rank))
