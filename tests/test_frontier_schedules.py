@@ -157,3 +157,18 @@ def test_processes_match_unpipelined_loss_and_gradients(launched, mesh, name, ch
         assert sum(len(r["grads"]) for r in replica) == len(reference)   # each once
         for n, g in grads.items():
             torch.testing.assert_close(g, reference[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_gantt_draws_each_stage_of_a_v_on_the_rank_that_holds_it():
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+    from pipeline_lib.timeline import simulate
+    from pipeline_lib.viz.plot import gantt
+
+    schedule = zb_v(2, 2)
+    ax = gantt(simulate(schedule, forward=0.5, backward=1.0), ax=Figure((30, 3)).subplots())
+    stage_labels = [t for t in ax.texts if t.get_text().startswith("s")]
+    assert {t.get_text() for t in stage_labels} == {"s0", "s1", "s2", "s3"}
+    for t in stage_labels:   # written under the micro-batch, on the row of its rank
+        assert t.get_position()[1] - 0.25 == schedule.rank_of(int(t.get_text()[1:]))
