@@ -19,10 +19,12 @@ Vocabulary
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import AbstractSet, Callable, Literal, NamedTuple, Sequence
+from typing import AbstractSet, Callable, Iterator, Literal, NamedTuple, Sequence
 
 Kind = Literal["F", "B", "I", "W"]
 KINDS = ("F", "B", "I", "W")
@@ -561,6 +563,20 @@ def _check_actions(schedule: Schedule
     return where, frozenset(split)
 
 
+@contextlib.contextmanager
+def cycle_collector_paused() -> Iterator[None]:
+    """Pause Python's cycle collector while hundreds of thousands of tuples are made (and
+    no cycle): it would otherwise walk all of them again and again, half the time of
+    `simulate` at p = 64, m = 1000."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def execution_order(schedule: Schedule) -> list[tuple[int, Action, list[Action]]]:
     """``(rank, action, its dependencies)`` in an order that runs each program in order and
     every action after the ones it depends on; raises `ScheduleError` if there is none.
@@ -569,6 +585,11 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action, list[Action]]
     that one is: every action is looked at a bounded number of times, so this takes time
     linear in the number of actions.
     """
+    with cycle_collector_paused():
+        return _execution_order(schedule)
+
+
+def _execution_order(schedule: Schedule) -> list[tuple[int, Action, list[Action]]]:
     where, split = _check_actions(schedule)
     S = schedule.stages
     done: set[Action] = set()
@@ -578,9 +599,9 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action, list[Action]]
     ready = list(range(schedule.ranks))
     while ready:
         r = ready.pop()
-        program = schedule.actions[r]
-        while pc[r] < len(program):
-            a = program[pc[r]]
+        program, step = schedule.actions[r], pc[r]
+        while step < len(program):
+            a = program[step]
             deps = dependencies(a, S, split)
             for d in deps:
                 if d not in done:
@@ -589,10 +610,12 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action, list[Action]]
             else:
                 done.add(a)
                 order.append((r, a, deps))
-                pc[r] += 1
-                ready.extend(waiting.pop(a, ()))
+                step += 1
+                if a in waiting:
+                    ready += waiting.pop(a)
                 continue
             break
+        pc[r] = step
     stuck = [(r, pc[r], schedule.actions[r][pc[r]]) for r in range(schedule.ranks)
              if pc[r] < len(schedule.actions[r])]
     if stuck:

@@ -9,9 +9,11 @@ import math
 import numbers
 from collections import defaultdict
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import NamedTuple, Sequence
 
-from pipeline_lib.schedules import Action, Schedule, destination, execution_order
+from pipeline_lib.schedules import (Action, Schedule, cycle_collector_paused, destination,
+                                    execution_order)
 
 
 class Event(NamedTuple):
@@ -155,8 +157,13 @@ def simulate(schedule: Schedule, forward: Cost = 1.0, backward: Cost = 2.0,
                              f"backward is the whole backward (I + W), so W cannot cost more")
     comm = _check_cost(comm, "comm")
     cost = {"F": f, "B": b, "I": [x - y for x, y in zip(b, w)], "W": w}
-    rank_of = [schedule.rank_of(s) for s in range(S)]
 
+    with cycle_collector_paused():
+        return _simulate(schedule, cost, comm)
+
+
+def _simulate(schedule: Schedule, cost: dict[str, list[float]], comm: float) -> Timeline:
+    rank_of = [schedule.rank_of(s) for s in range(schedule.stages)]
     end: dict[Action, float] = {}
     clock = [0.0] * schedule.ranks
     events = []
@@ -166,9 +173,9 @@ def simulate(schedule: Schedule, forward: Cost = 1.0, backward: Cost = 2.0,
             arrival = end[d] + comm if rank_of[d.stage] != r else end[d]
             if arrival > start:
                 start = arrival
-        clock[r] = end[a] = start + cost[a.kind][a.stage]
-        events.append(Event(r, a, start, end[a]))
-    events.sort(key=lambda e: (e.start, e.rank))
+        clock[r] = end[a] = finish = start + cost[a.kind][a.stage]
+        events.append(Event(r, a, start, finish))
+    events.sort(key=itemgetter(2, 0))   # by start, then rank
     return Timeline(schedule.ranks, events, unit="", title=schedule.name)
 
 
