@@ -281,7 +281,8 @@ class _Program:
         return bool(mine)
 
     def done(self, stage: int, kind: str) -> int:
-        return self.count[(stage, kind)]
+        """How many ``kind`` (F or B, which counts the Is too) ``stage`` has run."""
+        return self.count[(stage, "B" if kind == "I" else kind)]
 
 
 def _first(programs: list[list[Action]], microbatches: int) -> list[list[Action]]:
@@ -296,9 +297,9 @@ def zb_v(ranks: int, microbatches: int) -> Schedule:
 
     Rank ``r`` holds stage ``r`` on the way down and ``2p - 1 - r`` on the way up. The
     turn at the bottom is free (rank ``p - 1`` holds both stages), and the up-chunk's
-    gradients start back as soon as the forwards reach the bottom: with F = I = W
-    the ranks fill the step but for the fill, at 1F1B's peak of ``p`` micro-batches of a
-    whole stage (``2p`` of half a stage).
+    gradients start back as soon as the forwards reach the bottom: with F = I = W per
+    chunk and m >= 2p - 1, no rank idles between its first and last action, at 1F1B's
+    peak of ``p`` micro-batches of a whole stage (``2p`` of half a stage).
     """
     _check_sizes(ranks, microbatches)
     p, m = ranks, microbatches
@@ -428,21 +429,18 @@ def plan(schedule: str | Schedule, pp: int, stages: int, microbatches: int) -> S
     """The schedule for ``stages`` stages on ``pp`` ranks: built by name (looped schedules
     put ``stages // pp`` on each rank, V-shaped ones 2), or checked against the sizes."""
     if isinstance(schedule, str):
-        if schedule in LOOPED:
-            if stages % pp:
-                raise ValueError(f"{schedule} puts the same number of stages on every "
-                                 f"rank: {stages} stages on {pp} ranks do not divide; give a "
-                                 f"balance with a multiple of {pp} entries")
-            schedule = build(schedule, pp, microbatches, virtual_stages=stages // pp)
-        elif schedule in V_SHAPED and stages != 2 * pp:
-            raise ValueError(f"{schedule} runs two stages per rank (a V): the balance has "
-                             f"{stages} stages for {pp} pipeline ranks; give {2 * pp} entries")
-        elif schedule not in V_SHAPED and schedule in BUILDERS and stages != pp:
-            raise ValueError(f"{schedule} runs one stage per rank: the balance has {stages} "
-                             f"stages for {pp} pipeline ranks; give {pp} entries (or use "
-                             f"one of {list(LOOPED + V_SHAPED)} for several stages per rank)")
-        else:
-            schedule = build(schedule, pp, microbatches)
+        if schedule in LOOPED and stages % pp:
+            raise ValueError(f"{schedule} puts the same number of stages on every "
+                             f"rank: {stages} stages on {pp} ranks do not divide; give a "
+                             f"balance with a multiple of {pp} entries")
+        per_rank = stages // pp if schedule in LOOPED else stages_per_rank(schedule)
+        if schedule in BUILDERS and stages != pp * per_rank:
+            several = "" if per_rank > 1 else \
+                f" (or use one of {list(LOOPED + V_SHAPED)} for several stages per rank)"
+            raise ValueError(f"{schedule} runs {per_rank} stage(s) per rank: the balance "
+                             f"has {stages} stages for {pp} pipeline ranks; give "
+                             f"{pp * per_rank} entries{several}")
+        schedule = build(schedule, pp, microbatches, per_rank)
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a name in {sorted(BUILDERS)} or a Schedule, "
                         f"got {type(schedule).__name__}")
