@@ -1,11 +1,13 @@
 # Two entry points, each self-contained on a fresh machine:
 #   make lab    create/update .venv, install everything, open JupyterLab on notebooks/
-#   make test   create/update .venv, install everything, run the unit tests and every notebook
+#               (as root too; prints the URL where no browser can open; make lab PORT=9000)
+#   make test   create/update .venv, install everything, run the unit tests and every notebook,
+#               under nbval and in JupyterLab in Chromium (screenshots in out/browser/)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: lab test bench figures clean
+.PHONY: lab test bench figures gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,17 +18,24 @@ $(VENV)/.installed: requirements.txt pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	touch $@
 
+# Empty: Jupyter's default (8888, or $JUPYTER_PORT); a taken port moves to the next free one.
+PORT ?=
+
 lab: $(VENV)/.installed
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/python tools/lab.py $(if $(PORT),--port=$(PORT))
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -p no:cacheprovider tests notebooks --nbval --nbval-current-env -q
+	$(BIN)/python -m pytest -p no:cacheprovider tests notebooks --nbval --nbval-current-env -q -rs
 
 figures: $(VENV)/.installed
 	$(BIN)/python -m pipeline_lib.viz.figures images/
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/bench_pipe.py
+
+# On a GPU machine: the GPU tests, and Pipe.step on 2 GPUs against the ideal.
+gpu-check: $(VENV)/.installed
+	$(BIN)/python bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV)

@@ -5,7 +5,8 @@ One schedule representation, two executors. The core, at this level:
 * `schedules`: a `Schedule` is an ordered list of `Action`s per rank (``0F1`` = forward of
   micro-batch 1 on stage 0); builders for GPipe, 1F1B, interleaved 1F1B, zero-bubble;
 * `timeline`: `simulate` a schedule into a `Timeline`, the same type a real run records;
-* `partition`: where to cut an ``nn.Sequential`` into stages (by parameters, time, memory);
+* `partition`: where to cut an ``nn.Sequential`` into stages (by parameters, time, memory),
+  with `memory` measuring what autograd saves;
 * `microbatch`: split a batch into micro-batches, gather the outputs, scale the loss;
 * `stage`: `StageRunner`, what one stage does for each action (F, B, I, W), used by both
   executors; with `checkpoint` (recompute activations), `rng` (dropout that replays),
@@ -17,7 +18,10 @@ The executors, one package each, run the same `Schedule`:
 * `distributed`: one process per rank on ``torch.distributed``: `DistributedPipe`, with its
   transport (`p2p`), process layout (`mesh`) and ``torchrun`` launcher (`launch`).
 
-Around them: `viz` (Gantt charts, memory measurement, the README's figures), `lm` (the
+`sync` is the classic ``torch.distributed.pipeline.sync.Pipe`` API (removed from PyTorch in
+2.4) as a thin layer over `Pipe`, so old tutorial code runs with its import changed.
+
+Around them: `viz` (Gantt charts and the README's figures), `lm` (the
 Transformer language model, WikiText-2 and the training loops the notebooks use) and
 `notebook_workers` (code that only one notebook's ``torchrun`` workers run).
 """

@@ -77,6 +77,12 @@ class DeferredBatchNorm(_BatchNorm):
         unbiased_var = self.seen_m2 / (self.seen_rows - 1)
         self.running_mean.lerp_(self.seen_mean, factor)
         self.running_var.lerp_(unbiased_var, factor)
+        self.forget_partial_batch()
+
+    def forget_partial_batch(self) -> None:
+        """Drop the micro-batches seen so far this mini-batch. A `Pipe` step that fails
+        half-way calls it: otherwise the next step's first micro-batches would complete
+        the failed one's, and every later commit would fall at the wrong boundary."""
         self.seen_mean.zero_()
         self.seen_m2.zero_()
         self.seen_rows = self.seen_microbatches = 0
@@ -86,9 +92,16 @@ class DeferredBatchNorm(_BatchNorm):
         """Replace, in place, every BatchNorm in ``module`` that tracks running statistics
         by a DeferredBatchNorm sharing its parameters and buffers (so an optimizer built
         before still holds the right tensors). Returns ``module``, or its replacement if
-        it is itself a BatchNorm."""
-        if isinstance(module, _BatchNorm) and module.track_running_stats \
-                and not isinstance(module, cls):
+        it is itself a BatchNorm.
+
+        A DeferredBatchNorm already there is re-chunked in place: a model wrapped again
+        with another ``chunks`` must commit after that many micro-batches, not the old
+        number. What it had accumulated of an unfinished mini-batch is dropped."""
+        if isinstance(module, cls):
+            module.chunks = chunks
+            module.forget_partial_batch()
+            return module
+        if isinstance(module, _BatchNorm) and module.track_running_stats:
             if isinstance(module, nn.modules.lazy.LazyModuleMixin) \
                     and module.has_uninitialized_params():
                 raise ValueError(f"{type(module).__name__} is not initialised yet; run one "

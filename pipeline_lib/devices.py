@@ -2,7 +2,7 @@
 
 A stage lives where its parameters are, unless a layer in it is wrapped in `WithDevice`;
 a stage without parameters stays on the previous stage's device. Between two GPUs an
-activation is copied on a side stream of the receiving GPU, so the copy overlaps with the
+activation is copied on a side stream of each GPU, so the copy overlaps with the
 computation running on both devices' compute streams.
 """
 from __future__ import annotations
@@ -12,7 +12,17 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-_copy_streams: dict[torch.device, "torch.cuda.Stream"] = {}
+_side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def indexed(device: torch.device | str) -> torch.device:
+    """``device`` with its index: "cuda" means the current GPU, where ``.to("cuda")``
+    puts tensors. Index-less, it would never equal a tensor's device ("cuda:0"), so
+    `transfer` would copy every time, and ``torch.cuda.set_device`` refuses it."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class WithDevice(nn.Module):
@@ -38,7 +48,7 @@ class WithDevice(nn.Module):
 
 def pinned_device(module: nn.Module) -> torch.device | None:
     """The device that `WithDevice` wrappers inside ``module`` ask for, if any."""
-    pinned = {m.device for m in module.modules() if isinstance(m, WithDevice)}
+    pinned = {indexed(m.device) for m in module.modules() if isinstance(m, WithDevice)}
     if len(pinned) > 1:
         raise ValueError(f"one stage holds layers pinned by WithDevice to different devices "
                          f"{sorted(map(str, pinned))}; a stage runs on one device, so split "
@@ -59,8 +69,9 @@ def module_device(module: nn.Module, default: torch.device) -> torch.device:
 
 def stage_devices(stages: Sequence[nn.Module],
                   devices: Sequence[torch.device | str] | None) -> list[torch.device]:
-    """One device per stage: ``devices`` checked against the stages' `WithDevice` pins,
-    or, when None, found with `module_device`, each stage defaulting to the previous one's."""
+    """One indexed device per stage: ``devices`` checked against the stages' `WithDevice`
+    pins, or, when None, found with `module_device`, each stage defaulting to the
+    previous one's."""
     if devices is None:
         found, previous = [], torch.device("cpu")
         for stage in stages:
@@ -70,8 +81,12 @@ def stage_devices(stages: Sequence[nn.Module],
     if len(devices) != len(stages):
         raise ValueError(f"got {len(devices)} devices for {len(stages)} stages; give "
                          f"one device per stage (stages may share a device)")
-    devices = [torch.device(d) for d in devices]
+    devices = [indexed(d) for d in devices]
     for s, (stage, device) in enumerate(zip(stages, devices)):
+        if device.type == "cuda" and device.index >= torch.cuda.device_count():
+            raise ValueError(f"devices[{s}] is {device}, but this machine has "
+                             f"{torch.cuda.device_count()} GPU(s); give cuda:0 to "
+                             f"cuda:{torch.cuda.device_count() - 1}")
         pinned = pinned_device(stage)
         if pinned is not None and pinned != device:
             raise ValueError(f"stage {s} holds a layer pinned by WithDevice to {pinned}, "
@@ -79,18 +94,40 @@ def stage_devices(stages: Sequence[nn.Module],
     return devices
 
 
+def side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The one copy stream of a GPU, made on first use (a stream per copy would cost a
+    driver call each time, and its copies would not be ordered with the earlier ones)."""
+    if device not in _side_streams:
+        _side_streams.setdefault(device, torch.cuda.Stream(device))
+    return _side_streams[device]
+
+
 def transfer(value: Any, device: torch.device) -> Any:
-    """Move a tensor (or the tensors of a tuple) to ``device``; other values pass."""
+    """Move a tensor (or the tensors of a tuple) to ``device``; other values pass.
+
+    Between GPUs the copy runs on the side streams of both (PyTorch runs a peer copy on
+    the source GPU's current stream; the target's current stream waits for it), after
+    what the source's compute stream queued so far, and the target's compute stream
+    waits for it. The caching allocator hands a freed block to the next request on the
+    stream that allocated it, without waiting for work queued on other streams; so each
+    tensor is recorded on the stream that uses it but did not allocate it, as
+    torchgpipe's copy.py does: the source (allocated on its compute stream) on the
+    source's side stream, which reads it; the copy (allocated on the target's side
+    stream) on the target's compute stream, which reads it after we return. Without the
+    second, the next copy could land in the block that the compute stream still reads.
+    """
     if isinstance(value, tuple):
         return tuple(transfer(v, device) for v in value)
     if not isinstance(value, Tensor) or value.device == device:
         return value
-    if value.is_cuda and device.type == "cuda":
-        stream = _copy_streams.setdefault(device, torch.cuda.Stream(device))
-        stream.wait_stream(torch.cuda.current_stream(value.device))
-        with torch.cuda.stream(stream):
-            moved = value.to(device, non_blocking=True)
-        value.record_stream(stream)   # keep the source alive until the copy has run
-        torch.cuda.current_stream(device).wait_stream(stream)
-        return moved
-    return value.to(device)
+    if not (value.is_cuda and device.type == "cuda"):
+        return value.to(device)
+    source, target = side_stream(value.device), side_stream(device)
+    compute = torch.cuda.current_stream(device)
+    source.wait_stream(torch.cuda.current_stream(value.device))
+    with torch.cuda.stream(source), torch.cuda.stream(target):
+        moved = value.to(device, non_blocking=True)
+    value.record_stream(source)
+    moved.record_stream(compute)
+    compute.wait_stream(target)
+    return moved

@@ -8,12 +8,13 @@ gets, e.g. ``[3, 1, 2]`` -- that makes the largest stage cost as small as possib
 The module keeps the two halves of that job apart:
 
 * *measuring* a cost per top-level layer: `layer_params`, `layer_times`, `layer_memory`;
-* *splitting* a list of costs: `optimal_split` (exact), with `stage_costs` to show what
-  a balance costs per stage.
+* *splitting* a list of costs: `optimal_split`, with `stage_costs` to show what a
+  balance costs per stage.
 
 The ``balance_by_*`` functions just chain the two. Keeping them separate lets a notebook
 print the per-layer costs, the chosen balance and the per-stage costs side by side, and
-lets you plug in a cost you measured yourself.
+lets you plug in a cost you measured yourself. Finally `group_layers` cuts the model by a
+balance; both executors call it, and `check_balance` is the one check of a balance.
 """
 from __future__ import annotations
 
@@ -23,26 +24,22 @@ import numbers
 import statistics
 import time
 from collections.abc import Iterator, Sequence
-from fractions import Fraction
 from itertools import accumulate
-from typing import Union
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves, tree_map_only
 
-__all__ = [
-    "optimal_split",
-    "stage_costs",
-    "layer_params",
-    "layer_times",
-    "layer_memory",
-    "balance_by_params",
-    "balance_by_time",
-    "balance_by_memory",
-]
+from pipeline_lib.memory import SavedActivations
 
-#: What flows between layers: a tensor, or a tuple of them (non-tensor items pass through).
-Activations = Union[Tensor, tuple]
+__all__ = ["optimal_split", "stage_costs", "check_balance", "group_layers", "layer_params",
+           "layer_times", "layer_memory", "balance_by_params", "balance_by_time",
+           "balance_by_memory"]
+
+#: What flows between layers: a tensor, or tuples, lists and dicts holding tensors
+#: (other items pass through untouched).
+Activations = Any
 
 
 # --------------------------------------------------------------------------- splitting
@@ -52,61 +49,44 @@ def optimal_split(costs: Sequence[float], stages: int) -> list[int]:
     """Return the balance that minimises the largest stage cost.
 
     A stage's cost is the sum of its layers' costs; every stage gets at least one layer.
+    A dynamic program, O(stages * layers^2): instantaneous for the tens to hundreds of
+    layers a pipeline is cut from. Sums are plain floats: where exact sums tie (whole
+    numbers such as parameter counts, zero-cost layers) float sums tie too, and splits
+    that differ only by rounding cannot matter for timings noisy in their second digit.
 
-    The answer is exact, not approximately optimal: the costs are turned into integers
-    without rounding (every float is a fraction whose denominator is a power of two, so
-    scaling by the common denominator is lossless), and a dynamic program over those
-    integers compares sums exactly. Two splits that tie really do tie, rather than
-    differing in the last bit depending on the order the floats were added in.
-
-    Tie-breaking: many balances often reach the same optimum (zero-cost layers such as
-    ``nn.ReLU`` under `balance_by_params` can sit on either side of a cut). We return the
-    lexicographically smallest one, i.e. each stage, from the first on, takes as few
-    layers as it can. The reason: under 1F1B-style schedules the early stages keep the
-    activations of the most in-flight micro-batches, so when the bottleneck does not care,
-    leaving early stages lighter is the better default.
-
-    Runs in O(stages * layers^2), instantaneous for the tens to hundreds of layers a
-    pipeline is cut from.
+    Ties: many balances often reach the same optimum (a zero-cost ``nn.ReLU`` under
+    `balance_by_params` can sit on either side of a cut). We return the lexicographically
+    smallest: each stage, from the first on, takes as few layers as it can, because under
+    1F1B-style schedules the early stages hold the most in-flight micro-batches.
     """
-    weights = _exact_integers(costs)
-    layers = len(weights)
+    _check_costs(costs)
+    layers = len(costs)
     _check_stages(stages, layers)
+    prefix = list(accumulate(costs, initial=0))
 
-    prefix = list(accumulate(weights, initial=0))
-
-    def segment(start: int, end: int) -> int:
+    def cost(start: int, end: int) -> float:
         return prefix[end] - prefix[start]
 
-    # best[s][i]: the smallest achievable bottleneck when layers i.. are split into s
-    # stages. One stage simply takes everything that is left.
-    best: dict[int, list[float]] = {1: [segment(i, layers) for i in range(layers + 1)]}
+    # best[s][i]: the smallest largest stage when layers i.. are split into s stages.
+    # One stage takes all that is left; of s stages, the first ends at some `end` that
+    # leaves a layer for each of the other s - 1, and they cost best[s - 1][end].
+    best: dict[int, list[float]] = {1: [cost(i, layers) for i in range(layers + 1)]}
     for s in range(2, stages + 1):
-        best[s] = [math.inf] * (layers + 1)
-        # The first of the s stages is [i, end); the other s - 1 stages need a layer
-        # each, hence end <= layers - (s - 1).
-        for i in range(layers - s + 1):
-            best[s][i] = min(
-                max(segment(i, end), best[s - 1][end])
-                for end in range(i + 1, layers - s + 2)
-            )
+        best[s] = [min((max(cost(i, end), best[s - 1][end])
+                        for end in range(i + 1, layers - s + 2)), default=math.inf)
+                   for i in range(layers + 1)]
 
     # Walk forward, letting each stage end at the first cut that still allows the
     # optimum. Any optimal balance satisfies both conditions at its own cut, so the
     # first such cut gives the lexicographically smallest optimal balance.
     bottleneck = best[stages][0]
-    balance: list[int] = []
-    start = 0
+    cuts = [0]
     for s in range(stages, 1, -1):
-        end = next(
-            end
-            for end in range(start + 1, layers - s + 2)
-            if segment(start, end) <= bottleneck and best[s - 1][end] <= bottleneck
-        )
-        balance.append(end - start)
-        start = end
-    balance.append(layers - start)
-    return balance
+        cuts.append(next(end for end in range(cuts[-1] + 1, layers - s + 2)
+                         if cost(cuts[-1], end) <= bottleneck
+                         and best[s - 1][end] <= bottleneck))
+    cuts.append(layers)
+    return [end - start for start, end in zip(cuts, cuts[1:])]
 
 
 def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
@@ -115,18 +95,41 @@ def stage_costs(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
     Sums use `math.fsum`, so the numbers do not depend on summation order.
     """
     _check_costs(costs)
-    if any(not isinstance(n, numbers.Integral) or n < 1 for n in balance):
-        raise ValueError(
-            f"balance {list(balance)} is invalid: every stage needs a whole number "
-            "of layers, at least 1"
-        )
-    if sum(balance) != len(costs):
-        raise ValueError(
-            f"balance {list(balance)} covers {sum(balance)} layers but there are "
-            f"{len(costs)} costs: the layer counts must add up to the number of layers"
-        )
+    return [math.fsum(costs[a:b]) for a, b in _spans(check_balance(balance, len(costs)))]
+
+
+def check_balance(balance: Sequence[int], layers: int) -> list[int]:
+    """``balance`` as a list of Python ints, once it is known to cut ``layers`` layers
+    into stages of at least one layer each.
+
+    Any `numbers.Integral` counts (numpy's integers too); a bool or a float is refused as
+    a likely mistake. A whole array or tensor is refused rather than converted, because
+    the executors also use the balance as given (an array's truth value is ambiguous).
+    """
+    if not isinstance(balance, (list, tuple)):
+        raise TypeError(f"balance must be a list of layer counts, one per stage, got "
+                        f"{type(balance).__name__}; e.g. balance=[3, 2], or "
+                        f"balance.tolist() for an array")
+    for k, count in enumerate(balance):
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral):
+            raise TypeError(f"balance[{k}] is {count!r} ({type(count).__name__}): layer "
+                            f"counts must be ints, e.g. balance=[3, 2] (.tolist() converts "
+                            f"an array or a tensor)")
+    counts = [int(count) for count in balance]
+    if any(count < 1 for count in counts):
+        raise ValueError(f"balance {counts} has a stage of {min(counts)} layers: every "
+                         f"stage needs at least 1")
+    if sum(counts) != layers:
+        raise ValueError(f"balance {counts} sums to {sum(counts)} but the module has "
+                         f"{layers} layers; the counts must add up to the number of layers "
+                         f"(pipeline_lib.partition.balance_by_time and friends compute one)")
+    return counts
+
+
+def _spans(balance: list[int]) -> Iterator[tuple[int, int]]:
+    """``(first layer, last layer + 1)`` of each stage."""
     bounds = list(accumulate(balance, initial=0))
-    return [math.fsum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return zip(bounds, bounds[1:])
 
 
 def _check_costs(costs: Sequence[float]) -> None:
@@ -136,21 +139,8 @@ def _check_costs(costs: Sequence[float]) -> None:
         if not math.isfinite(c):
             raise ValueError(f"costs[{i}] is {c}: every cost must be a finite number")
         if c < 0:
-            raise ValueError(
-                f"costs[{i}] is {c}: costs must be non-negative (a layer cannot make "
-                "its stage cheaper)"
-            )
-
-
-def _exact_integers(costs: Sequence[float]) -> list[int]:
-    """Scale the costs to integers with the same ratios, losslessly."""
-    _check_costs(costs)
-    fractions = [
-        Fraction(int(c)) if isinstance(c, numbers.Integral) else Fraction(float(c))
-        for c in costs
-    ]
-    scale = math.lcm(*(f.denominator for f in fractions))
-    return [int(f * scale) for f in fractions]
+            raise ValueError(f"costs[{i}] is {c}: costs must be non-negative (a layer "
+                             f"cannot make its stage cheaper)")
 
 
 def _check_stages(stages: int, layers: int) -> None:
@@ -159,11 +149,25 @@ def _check_stages(stages: int, layers: int) -> None:
     if stages < 1:
         raise ValueError(f"stages must be at least 1, got {stages}")
     if stages > layers:
-        raise ValueError(
-            f"cannot split {layers} layers into {stages} stages: every stage needs at "
-            f"least one layer. Use stages <= {layers}, or split big layers into "
-            "several children of the nn.Sequential"
-        )
+        raise ValueError(f"cannot split {layers} layers into {stages} stages: every stage "
+                         f"needs at least one layer. Use stages <= {layers}, or split big "
+                         f"layers into several children of the nn.Sequential")
+
+
+# --------------------------------------------------------------------------- cutting
+
+
+def group_layers(module: nn.Sequential, balance: Sequence[int] | None) -> list[nn.Module]:
+    """Stages from consecutive layers: ``balance[k]`` layers in stage k, or one layer each.
+
+    Both executors cut the model here, so what makes a cut well defined is checked here:
+    a valid balance, and no module listed twice (see `_check_sequential`).
+    """
+    _check_sequential(module, "a pipeline")
+    layers = list(module)
+    if balance is None:
+        return layers
+    return [nn.Sequential(*layers[a:b]) for a, b in _spans(check_balance(balance, len(layers)))]
 
 
 # --------------------------------------------------------------------------- measuring
@@ -172,49 +176,30 @@ def _check_stages(stages: int, layers: int) -> None:
 def layer_params(module: nn.Sequential) -> list[int]:
     """Number of parameters of each top-level layer.
 
-    A parameter shared by several layers (tied embeddings, or the same module listed
-    twice) is counted once, at the first layer that uses it: it exists once in memory,
-    and counting it twice would make the model look heavier than it is. Mind that if a
-    split puts its users on different stages, a real pipeline needs a copy on each.
+    A parameter shared by several layers (tied embeddings) is counted once, at the first
+    layer that uses it: it exists once in memory, and counting it twice would make the
+    model look heavier than it is. Mind that if a split puts its users on different
+    stages, a real pipeline needs a copy on each.
     """
     _check_sequential(module, "layer_params")
-    seen: set[int] = set()
-    counts = []
-    for layer in module:
-        fresh = [p for p in layer.parameters() if id(p) not in seen]
-        seen.update(id(p) for p in fresh)
-        counts.append(sum(p.numel() for p in fresh))
-    return counts
+    return [sum(p.numel() for p in fresh) for fresh in _new_parameters(module)]
 
 
-def layer_times(
-    module: nn.Sequential,
-    sample: Activations,
-    *,
-    repeats: int = 5,
-    device: torch.device | str | None = None,
-) -> list[float]:
-    """Seconds each top-level layer takes for one forward plus backward on ``sample``.
+def layer_times(module: nn.Sequential, sample: Activations, *, repeats: int = 5,
+                device: torch.device | str | None = None) -> list[float]:
+    """Seconds each top-level layer takes for one forward plus backward on ``sample``,
+    which should be one micro-batch: that is what a stage processes.
 
-    ``sample`` should be one micro-batch, since that is what a stage will process.
+    The sample runs through the layers in order, each getting the previous output
+    *detached* (a fresh leaf, requiring grad if the original did), so backward stops at
+    the layer's boundary; it is seeded with ones (its cost does not depend on values).
+    That is a stage's job exactly, so per-layer times add up to a stage's time.
 
-    How it is measured: the sample runs through the layers in order, each layer getting
-    the previous layer's output. Each layer receives that output *detached* -- a fresh
-    leaf that still requires grad if the original did -- so that backward stops at the
-    layer's boundary. Backward is seeded with a ones-like gradient (its cost does not
-    depend on the values). That is exactly a pipeline stage's job: receive an
-    activation, compute, receive a gradient, compute the parameter gradients and the
-    gradient to send upstream. Per-layer times measured this way add up, so a stage
-    costs the sum of its layers.
-
-    Each layer runs once as a warm-up (first calls pay for allocation and kernel
-    selection), then ``repeats`` timed runs whose median is kept, because the median
-    ignores the odd run slowed down by something else on the machine. On CUDA the device
-    is synchronised around each run; otherwise we would time the kernel launches only.
-
-    Layers are profiled on a copy in training mode, so the given module (its gradients,
-    BatchNorm statistics, device) is left untouched. ``device`` defaults to the device
-    of ``sample``.
+    One warm-up run (first calls allocate and pick kernels), then the median of
+    ``repeats`` runs, which ignores the odd run slowed by something else on the machine.
+    CUDA is synchronised around each run, or we would time kernel launches only.
+    Layers run on a training-mode copy (see `_profiling_copies`) on ``device``, by
+    default the sample's.
     """
     _check_sequential(module, "layer_times")
     if not isinstance(repeats, numbers.Integral) or repeats < 1:
@@ -229,79 +214,51 @@ def layer_times(
             y = _forward_backward(layer, x)
             _synchronize(device)
             runs.append(time.perf_counter() - start)
-            _clear_grads(layer, x)  # so every run writes fresh gradients, none adds
+            layer.zero_grad(set_to_none=True)  # so every run writes fresh gradients
+            for t in _tensors(x, "a layer's input"):
+                t.grad = None
         times.append(statistics.median(runs[1:]))
         x = _detached(y)
     return times
 
 
-def layer_memory(
-    module: nn.Sequential,
-    sample: Activations,
-    *,
-    device: torch.device | str | None = None,
-) -> list[int]:
-    """Bytes each top-level layer holds during training on ``sample``.
+def layer_memory(module: nn.Sequential, sample: Activations, *,
+                 device: torch.device | str | None = None) -> list[int]:
+    """Bytes each top-level layer holds during training on ``sample`` (one micro-batch:
+    activation memory grows with the batch). Run as in `layer_times`. Per layer:
 
-    Counted per layer:
+    * activations: what autograd saves in the forward for the backward, counted by
+      `pipeline_lib.memory.SavedActivations` on any device: a tensor saved twice
+      (``x * x``) counts once; saved parameters and buffers are not activations;
+    * parameters: their bytes, doubled if they require grad (the gradient is as big).
+      Shared parameters count once, as in `layer_params`.
 
-    * activations: tensors autograd saves during the layer's forward to use in backward,
-      found with `torch.autograd.graph.saved_tensors_hooks` (works on any device). We
-      count whole *storages*, each once: two saved views of one buffer (``x * x`` saves
-      ``x`` twice) cost its memory once, and a saved small view keeps its whole buffer
-      alive. Saved parameters are not activations and are left out here.
-    * parameters: their bytes, doubled for those that require grad (the gradient has the
-      same size). Shared parameters count once, as in `layer_params`.
-
-    Not counted: optimizer state (depends on the optimizer), temporaries freed within
-    forward, and the layer's output unless a later layer saves it (that layer is then
-    charged). A tensor saved by two adjacent layers, like a ReLU output feeding a Linear,
-    is charged to both: if a cut falls between them both stages really do hold it.
-
-    Activation memory grows with the batch, so pass one micro-batch as ``sample``.
-    Layers run on a copy in training mode, the given module is untouched; ``device``
-    defaults to the device of ``sample``.
+    Not counted: optimizer state, temporaries freed within forward, and the output
+    unless a later layer saves it (and is charged). A tensor saved by two adjacent
+    layers (a ReLU output feeding a Linear) is charged to both: if a cut falls between
+    them, both stages really do hold it.
     """
     _check_sequential(module, "layer_memory")
     x, device = _first_input(sample, device)
     activations = []
     for layer in _profiling_copies(module, device):
-        saved, y = _saved_activation_bytes(layer, x)
-        activations.append(saved)
-        x = _detached(y)
-    return [a + p for a, p in zip(activations, _param_bytes(module))]
+        with torch.enable_grad(), SavedActivations([layer]) as saved:
+            x = _detached(layer(x))
+        activations.append(saved.peak[0])
+    params = [sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1) for p in fresh)
+              for fresh in _new_parameters(module)]
+    return [a + p for a, p in zip(activations, params)]
 
 
-def _saved_activation_bytes(layer: nn.Module, x: Activations) -> tuple[int, Activations]:
-    parameters = {_storage_key(p) for p in layer.parameters()}
-    saved: dict[tuple[torch.device, int], int] = {}
-
-    def pack(tensor: Tensor) -> Tensor:
-        key = _storage_key(tensor)
-        if key not in parameters:
-            saved[key] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = layer(x)
-    return sum(saved.values()), y
-
-
-def _storage_key(tensor: Tensor) -> tuple[torch.device, int]:
-    storage = tensor.untyped_storage()
-    return storage.device, storage.data_ptr()
-
-
-def _param_bytes(module: nn.Sequential) -> list[int]:
+def _new_parameters(module: nn.Sequential) -> list[list[nn.Parameter]]:
+    """Each layer's parameters that no earlier layer has, so a shared one is charged once."""
     seen: set[int] = set()
-    sizes = []
+    per_layer = []
     for layer in module:
         fresh = [p for p in layer.parameters() if id(p) not in seen]
         seen.update(id(p) for p in fresh)
-        sizes.append(
-            sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1) for p in fresh)
-        )
-    return sizes
+        per_layer.append(fresh)
+    return per_layer
 
 
 # --------------------------------------------------------------------------- balancing
@@ -316,14 +273,8 @@ def balance_by_params(module: nn.Sequential, stages: int) -> list[int]:
     return optimal_split(layer_params(module), stages)
 
 
-def balance_by_time(
-    module: nn.Sequential,
-    sample: Activations,
-    stages: int,
-    *,
-    repeats: int = 5,
-    device: torch.device | str | None = None,
-) -> list[int]:
+def balance_by_time(module: nn.Sequential, sample: Activations, stages: int, *,
+                    repeats: int = 5, device: torch.device | str | None = None) -> list[int]:
     """Balance that evens out forward+backward time per stage (see `layer_times`).
 
     Time is what a pipeline's throughput depends on, so this is usually the one to use;
@@ -334,13 +285,8 @@ def balance_by_time(
     return optimal_split(layer_times(module, sample, repeats=repeats, device=device), stages)
 
 
-def balance_by_memory(
-    module: nn.Sequential,
-    sample: Activations,
-    stages: int,
-    *,
-    device: torch.device | str | None = None,
-) -> list[int]:
+def balance_by_memory(module: nn.Sequential, sample: Activations, stages: int, *,
+                      device: torch.device | str | None = None) -> list[int]:
     """Balance that evens out training memory per stage (see `layer_memory`).
 
     Use it when the model barely fits and the largest stage must fit on one device.
@@ -354,6 +300,12 @@ def balance_by_memory(
 
 
 def _check_sequential(module: nn.Module, caller: str) -> None:
+    """The model is a non-empty ``nn.Sequential`` that lists every module once.
+
+    A module listed twice (``nn.Sequential(lin, lin)``) would be one set of weights in
+    two layers, so in two stages that run at the same time; and ``module.children()``
+    yields it only once, so a cut by children would silently drop the repeat.
+    """
     if not isinstance(module, nn.Sequential):
         raise TypeError(
             f"{caller} needs an nn.Sequential, whose top-level layers are the units a "
@@ -363,87 +315,56 @@ def _check_sequential(module: nn.Module, caller: str) -> None:
         )
     if len(module) == 0:
         raise ValueError(f"{caller} got an empty nn.Sequential: there is nothing to split")
+    first_index: dict[int, int] = {}
+    for i, layer in enumerate(module):
+        first = first_index.setdefault(id(layer), i)
+        if first != i:
+            raise ValueError(
+                f"layers {first} and {i} of the nn.Sequential are the same "
+                f"{type(layer).__name__} object, but a pipeline cuts between layers and "
+                f"each stage owns its own. For a second, independent layer use "
+                f"copy.deepcopy(layer); to apply the same layer twice, make the repeats "
+                f"one layer, e.g. nn.Sequential(layer, layer) as a single entry"
+            )
 
 
 def _profiling_copies(module: nn.Sequential, device: torch.device) -> Iterator[nn.Module]:
-    """Yield a training-mode copy of each layer on ``device``, one at a time.
-
-    Copying keeps profiling free of side effects, and only one layer's copy is alive at
-    a time, so the extra memory is one layer's worth. Iterating the Sequential itself
-    (not ``.children()``, which skips repeats) keeps a module listed twice as two layers.
-    """
+    """A training-mode copy of each layer on ``device``, one at a time: the given module
+    (gradients, BatchNorm statistics, device) is untouched, for one layer's extra memory."""
     for layer in module:
         yield copy.deepcopy(layer).to(device).train()
 
 
 def _forward_backward(layer: nn.Module, x: Activations) -> Activations:
     y = layer(x)
-    outputs = [t for t in _tensors(y) if t.requires_grad]
+    outputs = [t for t in _tensors(y, "each layer's output") if t.requires_grad]
     if outputs:
         torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
     return y
 
 
-def _tensors(value: Activations, what: str = "each layer's output") -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, tuple):
-        return [v for v in value if isinstance(v, Tensor)]
-    raise TypeError(
-        f"{what} must be a Tensor or a tuple of Tensors, got {type(value).__name__}"
-    )
+def _tensors(value: Activations, what: str) -> list[Tensor]:
+    tensors = [t for t in tree_leaves(value) if isinstance(t, Tensor)]
+    if not tensors:
+        raise TypeError(f"{what} holds no tensor: it must be a Tensor, or tuples, lists or "
+                        f"dicts of them; got {type(value).__name__}")
+    return tensors
 
 
 def _detached(value: Activations) -> Activations:
     """The next layer's input: same data, but a fresh leaf so backward stops here."""
-    if isinstance(value, Tensor):
-        return value.detach().requires_grad_(value.requires_grad)
-    _tensors(value)  # rejects anything that is not a tuple
-    return tuple(_detached(v) if isinstance(v, Tensor) else v for v in value)
+    return tree_map_only(Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value)
 
 
-def _clear_grads(layer: nn.Module, x: Activations) -> None:
-    layer.zero_grad(set_to_none=True)
-    for t in _tensors(x):
-        t.grad = None
-
-
-def _first_input(
-    sample: Activations, device: torch.device | str | None
-) -> tuple[Activations, torch.device]:
-    """The first layer's input on the profiling device (by default the sample's own).
-
-    Detached like every other layer's input, so the caller's ``sample.grad`` is untouched.
-    """
-    tensors = _tensors(sample, "sample")
-    if not tensors:
-        raise TypeError("sample contains no tensor: pass one micro-batch of input")
-    device = torch.device(device) if device is not None else tensors[0].device
-    if isinstance(sample, Tensor):
-        return _detached(sample.to(device)), device
-    moved = tuple(v.to(device) if isinstance(v, Tensor) else v for v in sample)
-    return _detached(moved), device
+def _first_input(sample: Activations, device: torch.device | str | None
+                 ) -> tuple[Activations, torch.device]:
+    """The first layer's input on the profiling device (by default the sample's own),
+    detached like every other layer's input, so the caller's ``sample.grad`` is untouched."""
+    first = _tensors(sample, "sample")[0]
+    device = torch.device(device) if device is not None else first.device
+    return _detached(tree_map_only(Tensor, lambda t: t.to(device), sample)), device
 
 
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def group_layers(module: nn.Sequential, balance: Sequence[int] | None) -> list[nn.Module]:
-    """Stages from consecutive layers: ``balance[k]`` layers in stage k, or one child each."""
-    layers = list(module.children())
-    if balance is None:
-        return layers
-    balance = list(balance)
-    if any(not isinstance(b, int) or b < 1 for b in balance):
-        raise ValueError(f"balance must be positive layer counts, got {balance}")
-    if sum(balance) != len(layers):
-        raise ValueError(f"balance {balance} sums to {sum(balance)} but the module has "
-                         f"{len(layers)} layers; the counts must add up to the number of "
-                         f"layers (see pipeline_lib.partition to compute one)")
-    stages, start = [], 0
-    for count in balance:
-        stages.append(nn.Sequential(*layers[start:start + count]))
-        start += count
-    return stages

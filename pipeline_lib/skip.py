@@ -33,24 +33,31 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, Sequence
 
 from torch import Tensor, nn
 
 
-class SkipError(ValueError):
-    """Stashes and pops that do not pair up, or a layer using an undeclared name."""
+class SkipError(ValueError, TypeError, RuntimeError):
+    """Stashes and pops that do not pair up, or a layer using an undeclared name.
+
+    Also a `TypeError` and a `RuntimeError`: ``torch.distributed.pipeline.sync`` raised
+    TypeError when stashes and pops did not pair up and RuntimeError for a bad stash or
+    pop during the forward, so code written for the classic API still catches it."""
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class Namespace:
-    """A scope for skip names; namespaces are equal only to themselves."""
+    """A scope for skip names. Each new namespace is unique; a copy (``copy.deepcopy`` of
+    a model, pickling to another process) stays equal to its original."""
 
-    label: str = ""
+    label: str = field(default="", compare=False)
+    uid: uuid.UUID = field(default_factory=uuid.uuid4, repr=False)
 
     def __repr__(self) -> str:
-        return f"Namespace({self.label!r})" if self.label else f"Namespace(at {id(self):#x})"
+        return f"Namespace({self.label!r})" if self.label else f"Namespace({self.uid})"
 
 
 DEFAULT_NAMESPACE = Namespace("default")
@@ -60,23 +67,26 @@ SkipKey = tuple[Namespace, str]
 
 def describe(key: SkipKey) -> str:
     namespace, name = key
-    return repr(name) if namespace is DEFAULT_NAMESPACE else f"{name!r} in {namespace}"
+    return repr(name) if namespace == DEFAULT_NAMESPACE else f"{name!r} in {namespace}"
 
 
 @dataclass(frozen=True, eq=False)
 class stash:  # noqa: N801 - lower case: it reads as a verb in ``yield stash(...)``
-    """``yield stash(name, tensor)``: keep ``tensor`` for the later layer that pops it."""
+    """``yield stash(name, tensor)``: keep ``tensor`` for the later layer that pops it.
+    ``tensor`` may be None (the pop then gets None), e.g. for a block that skips nothing
+    on some inputs but must still stash, since every declared name is stashed."""
 
     name: str
-    tensor: Tensor
+    tensor: Tensor | None
 
     def __post_init__(self):
-        if not isinstance(self.tensor, Tensor):
+        if self.tensor is not None and not isinstance(self.tensor, Tensor):
             raise TypeError(f"stash({self.name!r}, ...) needs a tensor, got "
-                            f"{type(self.tensor).__name__}")
+                            f"{type(self.tensor).__name__} (or None, to pass nothing)")
 
     def __repr__(self) -> str:
-        return f"stash({self.name!r}, <tensor>)"
+        value = "None" if self.tensor is None else "<tensor>"
+        return f"stash({self.name!r}, {value})"
 
 
 @dataclass(frozen=True)
@@ -155,11 +165,12 @@ class Skippable(nn.Module):
 
     def _serve(self, requests: Generator[stash | pop, Tensor | None, Any]) -> Any:
         """Answer the stash and pop requests a generator ``forward`` yields."""
-        tracker, reply = current_tracker(), None
+        tracker, reply, served = current_tracker(), None, set()
         while True:
             try:
                 request = requests.send(reply)
             except StopIteration as done:
+                self._check_served(served)
                 return done.value
             if isinstance(request, stash) and request.name in self.stashes:
                 tracker.stash(self.skip_key(request.name), request.tensor)
@@ -171,6 +182,18 @@ class Skippable(nn.Module):
                                 f"it declares stash={list(self.stashes)}, "
                                 f"pop={list(self.pops)}; yield only stash(name, tensor) or "
                                 f"pop(name) for declared names")
+            served.add(request.name)
+
+    def _check_served(self, served: set[str]) -> None:
+        """Every declared name must be stashed or popped on every call, or the layer
+        that pops it would find nothing, or a stashed tensor would linger."""
+        for verb, names in (("stash", self.stashes), ("pop", self.pops)):
+            missing = [name for name in names if name not in served]
+            if missing:
+                raise SkipError(f"{type(self).__name__}.forward declares {verb}="
+                                f"{list(names)} but did not {verb} {missing}; it must "
+                                f"{verb} every declared name on every call (stash(name, "
+                                f"None) passes nothing)")
 
 
 def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()
@@ -192,7 +215,10 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()
 
         def forward(self: Skippable, *args: Any, **kwargs: Any) -> Any:
             result = generator_forward(self, *args, **kwargs)
-            return self._serve(result) if inspect.isgenerator(result) else result
+            if inspect.isgenerator(result):
+                return self._serve(result)
+            self._check_served(set())
+            return result
 
         return type(cls.__name__, (cls, Skippable), {
             "forward": forward, "stashes": stashes, "pops": pops,

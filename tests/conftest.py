@@ -1,5 +1,13 @@
-"""Shared test fixtures: where the CI-sized WikiText-2 copy lies."""
+"""Shared test fixtures: where the CI-sized WikiText-2 copy lies, and one data check up front.
+
+Notebooks 03 and 04 (under nbval, and in the browser test) read WikiText-2 through
+``load_wikitext2``. Without the data and without a network each of their cells used to fail
+on its own, 21 failures that all meant one thing; so before any test runs, the session looks
+for the data the way the notebooks do (and downloads it, as they would, when online), and
+stops once with what to do if it cannot be had.
+"""
 import os
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -19,3 +27,49 @@ def assert_same_grads(model, reference, rtol: float = 1e-5, atol: float = 1e-6) 
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert p.grad is not None, f"{name} got no gradient"
         torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=name)
+
+
+@cache
+def notebook_needs_wikitext(path: Path) -> bool:
+    """Whether a notebook loads WikiText-2 (read from its source, so a new one is covered)."""
+    return "load_wikitext2(" in path.read_text(encoding="utf-8")
+
+
+def wikitext_problem() -> str | None:
+    """Why the notebooks could not get WikiText-2 now, or None when they can."""
+    from pipeline_lib.lm.data import find_wikitext2
+
+    try:
+        find_wikitext2()
+    except (OSError, RuntimeError) as err:      # not found, or the download failed
+        return str(err)
+    return None
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "wikitext2: needs WikiText-2 ($PIPELINE_LIB_DATA or a download)")
+
+
+@pytest.hookimpl(trylast=True)                  # after -m / -k / --deselect have had their say
+def pytest_collection_modifyitems(config, items):
+    needing = sorted({
+        item.path.name if item.path.suffix == ".ipynb" else item.nodeid
+        for item in items
+        if item.get_closest_marker("wikitext2")
+        or (item.path.suffix == ".ipynb" and notebook_needs_wikitext(item.path))
+    })
+    if not needing or (problem := wikitext_problem()) is None:
+        return
+    from pipeline_lib.lm.data import default_cache_dir
+
+    pytest.exit(
+        "\n\nWikiText-2 is needed by " + ", ".join(needing) + ",\n"
+        f"and it could not be found or downloaded:\n    {problem}\n\n"
+        "Either point PIPELINE_LIB_DATA at a folder holding train.txt, valid.txt and test.txt:\n"
+        "    PIPELINE_LIB_DATA=/path/to/wikitext-2 make test\n"
+        f"or run once with network access: it downloads about 12 MB into {default_cache_dir()}.\n"
+        "The unit tests alone run without it: "
+        ".venv/bin/python -m pytest tests -m 'not wikitext2'\n",
+        returncode=pytest.ExitCode.USAGE_ERROR,
+    )

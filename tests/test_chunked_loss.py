@@ -5,7 +5,7 @@ import torch
 
 from pipeline_lib.lm.chunked_loss import chunked_loss_backward, lm_backward
 from pipeline_lib.lm.model import transformer_lm
-from pipeline_lib.viz.memory import PeakTensorMemory
+from pipeline_lib.memory import PeakTensorMemory
 
 VOCAB = 500
 

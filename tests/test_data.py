@@ -1,3 +1,6 @@
+import errno
+import http.client
+import os
 import shutil
 import subprocess
 import urllib.error
@@ -117,9 +120,15 @@ def test_checksum_mismatch_discards_the_bad_file(empty_env, fake_server, monkeyp
     assert left == ["train.txt"]  # the verified split stays, the bad one and its temp file don't
 
 
-def test_offline_download_explains_how_to_provide_files(empty_env, monkeypatch):
+@pytest.mark.parametrize("error", [
+    urllib.error.URLError("Temporary failure in name resolution"),
+    ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
+    TimeoutError("The read operation timed out"),
+    http.client.IncompleteRead(b"partial"),
+])
+def test_offline_download_explains_how_to_provide_files(empty_env, monkeypatch, error):
     def offline(url, timeout):
-        raise urllib.error.URLError("Temporary failure in name resolution")
+        raise error
 
     monkeypatch.setattr(data.urllib.request, "urlopen", offline)
     with pytest.raises(RuntimeError, match="raw.githubusercontent.com.*PIPELINE_LIB_DATA"):
@@ -177,3 +186,49 @@ def test_get_batch_rejects_bad_arguments():
         get_batch(source, 0, 0)
     with pytest.raises(ValueError, match="from batchify"):
         get_batch(torch.arange(40), 0, 4)
+
+
+def test_a_full_disk_is_not_reported_as_offline(empty_env, fake_server, monkeypatch):
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full, where every write fails with ENOSPC")
+    real_mkstemp = data.tempfile.mkstemp
+
+    def on_full_disk(**kwargs):
+        fd, name = real_mkstemp(**kwargs)
+        os.close(fd)
+        return os.open("/dev/full", os.O_WRONLY), name
+
+    monkeypatch.setattr(data.tempfile, "mkstemp", on_full_disk)
+    with pytest.raises(OSError, match="disk full") as err:
+        load_wikitext2()
+    assert err.value.errno == errno.ENOSPC
+    assert "offline" not in str(err.value) and str(default_cache_dir()) in str(err.value)
+    assert not any(default_cache_dir().iterdir())  # no half-written file is left
+
+
+def test_a_part_file_left_by_a_killed_download_is_removed(empty_env, fake_server):
+    cache = default_cache_dir()
+    cache.mkdir(parents=True)
+    (cache / ".valid.k1ll3d.part").write_text("half a file")
+    load_wikitext2()
+    assert sorted(p.name for p in cache.iterdir()) == ["test.txt", "train.txt", "valid.txt"]
+
+
+def write_splits(folder: Path, **contents: bytes) -> Path:
+    folder.mkdir()
+    for split in SPLITS:
+        (folder / f"{split}.txt").write_bytes(contents.get(split, b" the cat sat . \n"))
+    return folder
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    folder = write_splits(tmp_path / "latin1", valid=" caf\xe9 au lait \n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.valid\.txt is not UTF-8 text"):
+        load_wikitext2(folder)
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_an_empty_file_is_named(tmp_path, split):
+    folder = write_splits(tmp_path / "data", **{split: b" \n\n"})
+    with pytest.raises(ValueError, match=rf"data.{split}\.txt contains no tokens"):
+        load_wikitext2(folder)

@@ -1,13 +1,22 @@
-"""Placing stages (WithDevice) and handing shared tensors to every micro-batch (NoChunk)."""
+"""Placing stages (WithDevice, index-less GPUs), copying between GPUs, and handing shared
+tensors to every micro-batch (NoChunk).
+
+No GPU here: the CUDA calls are faked to check what `transfer` asks of them; that the
+copies really are safe is `test_gpu.py`'s job.
+"""
+import contextlib
 import copy
+from unittest import mock
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from pipeline_lib import NoChunk, Pipe, WithDevice
+from pipeline_lib import NoChunk, Pipe, WithDevice, devices
+from pipeline_lib.devices import stage_devices, transfer
 
 META, CPU = torch.device("meta"), torch.device("cpu")
+GPU0, GPU1 = torch.device("cuda", 0), torch.device("cuda", 1)
 
 
 def test_with_device_places_a_parameterless_stage_and_those_after_it():
@@ -43,6 +52,68 @@ def test_with_device_is_transparent():
     wrapped[1] = WithDevice(wrapped[1], "cpu")
     x = torch.randn(6, 3)
     torch.testing.assert_close(Pipe(wrapped, chunks=3)(x), model(x))
+
+
+def fake_gpus(monkeypatch, count: int = 2, current: int = 0) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+
+
+def test_index_less_cuda_becomes_the_current_gpu(monkeypatch):
+    """"cuda" must equal the device its tensors report ("cuda:1" here), else `transfer`
+    copies every time and ``torch.cuda.set_device`` refuses it."""
+    fake_gpus(monkeypatch, current=1)
+    stages = [nn.Linear(2, 2), nn.Tanh(), WithDevice(nn.ReLU(), "cuda")]
+    assert stage_devices(stages, ["cuda", "cuda:0", "cuda:1"]) == [GPU1, GPU0, GPU1]
+
+
+def test_a_gpu_the_machine_lacks_is_a_clear_error(monkeypatch):
+    fake_gpus(monkeypatch)
+    with pytest.raises(ValueError, match=r"devices\[1\] is cuda:2, but this machine has 2 "
+                                         r"GPU\(s\); give cuda:0 to cuda:1"):
+        stage_devices([nn.Tanh(), nn.Tanh()], ["cuda:0", "cuda:2"])
+
+
+class FakeStream:
+    def __init__(self, device: torch.device):
+        self.device, self.waits_for = device, []
+
+    def wait_stream(self, other: "FakeStream") -> None:
+        self.waits_for.append(other)
+
+
+def test_a_copy_between_gpus_runs_on_side_streams_and_records_both_tensors(monkeypatch):
+    """Each GPU has one side stream, made once; the copy runs on both GPUs' side streams,
+    the source is recorded on the stream that reads it (the source's side stream), the
+    copy on the stream that will read it (the target's compute stream)."""
+    made, active, compute = [], [], {d: FakeStream(d) for d in (GPU0, GPU1)}
+
+    def new_stream(device):
+        made.append(FakeStream(device))
+        return made[-1]
+
+    @contextlib.contextmanager
+    def use(stream):
+        active.append(stream)
+        yield
+        active.pop()
+
+    monkeypatch.setattr(devices, "_side_streams", {})
+    monkeypatch.setattr(torch.cuda, "Stream", new_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", compute.__getitem__)
+    monkeypatch.setattr(torch.cuda, "stream", use)
+    for _ in range(3):
+        source = mock.Mock(spec=Tensor, is_cuda=True, device=GPU0)
+        moved = mock.Mock(spec=Tensor)
+        copied_on = []
+        source.to.side_effect = lambda *args, **kwargs: copied_on.append(list(active)) or moved
+        assert transfer(source, GPU1) is moved
+    assert [s.device for s in made] == [GPU0, GPU1], "one side stream per GPU, made once"
+    side0, side1 = made
+    assert copied_on == [[side0, side1]]
+    source.record_stream.assert_called_once_with(side0)
+    moved.record_stream.assert_called_once_with(compute[GPU1])
+    assert compute[GPU0] in side0.waits_for and side1 in compute[GPU1].waits_for
 
 
 class Masked(nn.Module):

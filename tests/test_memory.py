@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from pipeline_lib import Pipe, simulate
-from pipeline_lib.viz.memory import PeakTensorMemory, SavedActivations
+from pipeline_lib.memory import PeakTensorMemory, SavedActivations
 from pipeline_lib.schedules import build
 
 HIDDEN, ROWS = 8, 3

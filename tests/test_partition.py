@@ -2,14 +2,18 @@ import itertools
 import random
 from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from pipeline_lib import Pipe
 from pipeline_lib.partition import (
     balance_by_memory,
     balance_by_params,
     balance_by_time,
+    check_balance,
+    group_layers,
     layer_memory,
     layer_params,
     layer_times,
@@ -31,12 +35,18 @@ def exact_bottleneck(costs, balance) -> Fraction:
 
 
 def random_costs(rng: random.Random, layers: int) -> list:
-    kind = rng.choice(["small ints", "floats", "decimal floats"])
+    kind = rng.choice(["small ints", "quarters", "floats", "decimal floats"])
     if kind == "small ints":  # lots of zeros and ties
         return [rng.randint(0, 3) for _ in range(layers)]
+    if kind == "quarters":  # floats whose sums are exact, so ties are real ties
+        return [rng.randint(0, 6) / 4 for _ in range(layers)]
     if kind == "floats":
         return [rng.choice([0.0, rng.random()]) for _ in range(layers)]
     return [rng.choice([0.0, 0.1, 0.2, 0.3, 0.7]) for _ in range(layers)]  # inexact sums
+
+
+def sums_are_exact(costs) -> bool:
+    return all((4 * c) == int(4 * c) for c in costs)
 
 
 def is_valid(balance, layers, stages) -> bool:
@@ -63,10 +73,13 @@ def test_optimal_split_matches_brute_force():
         assert is_valid(balance, layers, stages), (costs, stages, balance)
         candidates = list(all_balances(layers, stages))
         best = min(exact_bottleneck(costs, b) for b in candidates)
-        assert exact_bottleneck(costs, balance) == best, (costs, stages, balance)
-        # Documented tie-break: the lexicographically smallest optimal balance.
-        first_optimal = next(b for b in candidates if exact_bottleneck(costs, b) == best)
-        assert balance == first_optimal, (costs, stages, balance)
+        # Optimal, up to float rounding in the sums.
+        assert exact_bottleneck(costs, balance) <= best * (1 + Fraction(1, 10**12))
+        if sums_are_exact(costs):
+            # Documented tie-break: the lexicographically smallest optimal balance.
+            assert exact_bottleneck(costs, balance) == best, (costs, stages, balance)
+            first_optimal = next(b for b in candidates if exact_bottleneck(costs, b) == best)
+            assert balance == first_optimal, (costs, stages, balance)
 
 
 def test_optimal_split_examples():
@@ -75,6 +88,7 @@ def test_optimal_split_examples():
     assert optimal_split([7], 1) == [1]
     assert optimal_split([0, 0, 0, 0], 2) == [1, 3]  # all tie: first stage as small as it can
     assert optimal_split([4, 4, 4, 4], 4) == [1, 1, 1, 1]
+    assert optimal_split([0.1, 0.2, 0.3], 2) == [2, 1]  # 0.1 + 0.2 > 0.3 in floats too
 
 
 def test_stage_costs():
@@ -104,10 +118,63 @@ def test_shared_parameters_counted_once():
     second.weight = first.weight  # tied weight, separate biases
     assert layer_params(nn.Sequential(first, nn.ReLU(), second)) == [72, 0, 8]
 
-    layer = nn.Linear(8, 8)
-    repeated = nn.Sequential(layer, nn.ReLU(), layer)  # same module listed twice
-    assert layer_params(repeated) == [72, 0, 0]
-    assert balance_by_params(repeated, 3) == [1, 1, 1]
+
+# --------------------------------------------------------------------------- cutting
+
+
+def test_a_module_listed_twice_is_refused_everywhere():
+    # children() yields a repeated module once, so Pipe(nn.Sequential(lin, lin)) used to
+    # compute lin(x) instead of lin(lin(x)), and a balance counted by partition did not fit.
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    model = nn.Sequential(lin, nn.ReLU(), lin)
+    x = torch.randn(2, 4)
+    message = "layers 0 and 2 of the nn.Sequential are the same Linear object"
+    for call in (lambda: Pipe(model)(x), lambda: Pipe(model, balance=[2, 1])(x),
+                 lambda: group_layers(model, None), lambda: balance_by_params(model, 2),
+                 lambda: layer_params(model), lambda: layer_times(model, x),
+                 lambda: balance_by_memory(model, x, 2)):
+        with pytest.raises(ValueError, match=message) as info:
+            call()
+        assert "copy.deepcopy(layer)" in str(info.value)
+    # Repeats inside one layer are fine: that layer stays whole in one stage.
+    inner = nn.Sequential(nn.Sequential(lin, lin), nn.Tanh())
+    torch.testing.assert_close(Pipe(inner, chunks=2)(x), inner(x))
+    assert layer_params(inner) == [20, 0]
+
+
+def test_group_layers_cuts_consecutive_layers():
+    layers = [nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2), nn.Tanh()]
+    stages = group_layers(nn.Sequential(*layers), [1, 3])
+    assert [list(stage) for stage in stages] == [layers[:1], layers[1:]]
+    assert group_layers(nn.Sequential(*layers), None) == layers
+
+
+def test_balance_of_numpy_ints_works():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    balance = list(np.array([2, 1]))  # numpy integers, as list(array) gives them
+    assert check_balance(balance, 3) == [2, 1] and type(check_balance(balance, 3)[0]) is int
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(Pipe(model, chunks=2, balance=balance)(x), model(x))
+    assert stage_costs([1, 2, 3], (np.int32(1), np.int64(2))) == [1.0, 5.0]
+
+
+@pytest.mark.parametrize("balance, error, message", [
+    ([2, True], TypeError, r"balance\[1\] is True \(bool\): layer counts must be ints"),
+    ([1.0, 2], TypeError, r"balance\[0\] is 1.0 \(float\)"),
+    ([torch.tensor(1), 2], TypeError, r"\(Tensor\).*\.tolist\(\) converts"),
+    (np.array([1, 2]), TypeError, r"must be a list of layer counts.*got ndarray.*tolist"),
+    (torch.tensor([1, 2]), TypeError, r"must be a list of layer counts.*got Tensor"),
+    ([3, 0], ValueError, r"balance \[3, 0\] has a stage of 0 layers"),
+    ([np.int64(1), np.int64(1)], ValueError, r"balance \[1, 1\] sums to 2 but the module has 3"),
+])
+def test_bad_balance_is_refused_clearly(balance, error, message):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    for call in (lambda: check_balance(balance, 3), lambda: group_layers(model, balance),
+                 lambda: stage_costs([1, 2, 3], balance), lambda: Pipe(model, balance=balance)):
+        with pytest.raises(error, match=message):
+            call()
 
 
 # --------------------------------------------------------------------------- time
@@ -120,11 +187,13 @@ def test_balance_by_time_isolates_heavy_layer():
     )
     sample = torch.randn(64, 1024)
 
-    times = layer_times(model, sample, repeats=3)
+    # Five repeats: the median then needs three runs of a cheap layer slowed down by
+    # other processes (a time slice is a few ms) before it looks as slow as the Linear.
+    times = layer_times(model, sample, repeats=5)
     assert len(times) == 6 and all(t > 0 for t in times)
     assert times[3] == max(times)
 
-    balance = balance_by_time(model, sample, 3, repeats=3)
+    balance = balance_by_time(model, sample, 3, repeats=5)
     assert is_valid(balance, 6, 3)
     assert balance == [3, 1, 2]  # the big Linear has a stage to itself
 
@@ -140,18 +209,21 @@ def test_profiling_leaves_model_and_sample_untouched():
     assert model[1].num_batches_tracked.item() == 0
 
 
-def test_tuple_activations():
+@pytest.mark.parametrize("container", [tuple, list, lambda pair: dict(enumerate(pair))])
+def test_nested_activations(container):
     class Split(nn.Module):
         def forward(self, x):
-            return x[:, :2], x[:, 2:]
+            return container((x[:, :2], x[:, 2:]))
 
     class Join(nn.Module):
         def forward(self, pair):
-            return torch.cat(pair, dim=1).relu()
+            return torch.cat([pair[0], pair[1]], dim=1).relu()
 
     model = nn.Sequential(nn.Linear(4, 4), Split(), Join())
     assert len(layer_times(model, torch.randn(3, 4), repeats=1)) == 3
     assert is_valid(balance_by_memory(model, torch.randn(3, 4), 2), 3, 2)
+    # Join's ReLU saves its output, 3 x 4 floats, whatever container brought its input.
+    assert layer_memory(model, torch.randn(3, 4))[2] == 3 * 4 * 4
 
 
 # --------------------------------------------------------------------------- memory
@@ -214,13 +286,6 @@ def test_optimal_split_bad_input(costs, stages, error, message):
     assert message in str(info.value)
 
 
-def test_stage_costs_bad_balance():
-    with pytest.raises(ValueError, match="covers 2 layers but there are 3 costs"):
-        stage_costs([1, 2, 3], [1, 1])
-    with pytest.raises(ValueError, match="at least 1"):
-        stage_costs([1, 2, 3], [3, 0])
-
-
 def test_not_sequential_says_how_to_wrap():
     model = nn.Linear(4, 4)
     for call in (
@@ -249,5 +314,5 @@ def test_bad_profiling_arguments():
         balance_by_params(nn.Sequential(), 1)
     with pytest.raises(ValueError, match="repeats must be an int of at least 1"):
         layer_times(model, torch.randn(2), repeats=0)
-    with pytest.raises(TypeError, match="sample must be a Tensor or a tuple of Tensors"):
-        layer_memory(model, [torch.randn(2)])
+    with pytest.raises(TypeError, match="sample holds no tensor: it must be a Tensor, or"):
+        layer_memory(model, [1, 2])

@@ -2,6 +2,7 @@
 import threading
 from typing import Callable
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -98,3 +99,75 @@ def test_attention_dropout_matches_pytorch_and_takes_no_lock():
     run_while_locked(attend_on_stream)
     assert len(result) == 2 and all(torch.equal(a, b) for a, b in zip(expected, result))
     assert not torch.equal(expected[0], attend()[0])
+
+
+def test_a_kernel_without_a_generator_draws_under_the_lock():
+    """``torch.rand``'s kernel takes no generator: it waits for the lock, then draws from
+    the stream what the process-wide generator would."""
+    with owned_rng(5):
+        expected = torch.rand(4)
+    result: list[torch.Tensor] = []
+
+    def draw() -> None:
+        with microbatch_rng(5):
+            result.append(torch.rand(4))
+
+    with rng._LOCK:
+        thread = threading.Thread(target=draw, daemon=True)
+        thread.start()
+        thread.join(timeout=0.5)
+        assert thread.is_alive() and not result, "torch.rand did not wait for the lock"
+    thread.join(timeout=10)
+    assert len(result) == 1 and torch.equal(result[0], expected)
+
+
+def test_threads_drawing_at_once_each_get_their_own_stream():
+    seeds = range(4)
+    expected = {}
+    for seed in seeds:
+        with owned_rng(seed):
+            expected[seed] = [draws() for _ in range(5)]
+    results: dict[int, list] = {}
+    start = threading.Barrier(len(seeds))
+
+    def work(seed: int) -> None:
+        start.wait()
+        with microbatch_rng(seed):
+            results[seed] = [draws() for _ in range(5)]
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    for seed in seeds:
+        for got, want in zip(results[seed], expected[seed]):
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_an_explicit_generator_is_left_alone():
+    expected = torch.rand(3, generator=torch.Generator().manual_seed(9))
+    with microbatch_rng(1):
+        drawn = torch.rand(3, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(drawn, expected)
+
+
+def test_a_draw_on_a_device_the_stage_does_not_own_is_a_clear_error():
+    with pytest.raises(RuntimeError, match=r"a random kernel ran on meta, not on its "
+                                           r"stage's devices \['cpu'\]"):
+        with microbatch_rng(1):
+            torch.empty(3, device="meta").uniform_()
+
+
+def test_owned_rng_seeds_the_current_gpu_for_an_index_less_cuda(monkeypatch):
+    """"cuda" means the current GPU (here GPU 1, faked by CPU generators): its generator is
+    seeded for the block and restored after it; GPU 0's is left alone."""
+    gpus = (torch.Generator().manual_seed(10), torch.Generator().manual_seed(11))
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "default_generators", gpus, raising=False)
+    before = [g.get_state() for g in gpus]
+    with owned_rng(7, "cuda"):
+        assert gpus[1].initial_seed() == 7
+        assert torch.equal(gpus[0].get_state(), before[0])
+    assert all(torch.equal(g.get_state(), state) for g, state in zip(gpus, before))

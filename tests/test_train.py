@@ -5,7 +5,7 @@ import torch
 
 from pipeline_lib.lm.data import batchify, load_wikitext2
 from pipeline_lib.lm.model import transformer_lm
-from pipeline_lib.lm.loops import evaluate, lm_loss, make_step, seed_everything, train, train_epoch
+from pipeline_lib.lm.loops import evaluate, fit, lm_loss, make_step, seed_everything, train_epoch
 
 from conftest import MINI, needs_mini
 
@@ -97,14 +97,14 @@ def test_make_step_clips_the_update(counting_source):
     assert (after - before).norm().item() == pytest.approx(1e-3, rel=1e-3)  # lr * clipped grad
 
 
-def test_train_is_reproducible():
+def test_fit_is_reproducible():
     stream = torch.randint(0, V, (2000,), generator=torch.Generator().manual_seed(0))
     runs = []
     for _ in range(2):
         seed_everything(0)
         model = transformer_lm(V, **TINY)
-        runs.append(train(model, batchify(stream, 8), batchify(stream[:400], 4), bptt=16,
-                          epochs=2, max_steps=3, progress=False))
+        runs.append(fit(model, batchify(stream, 8), batchify(stream[:400], 4), bptt=16,
+                        epochs=2, max_steps=3, progress=False))
     first, second = runs
     assert [s.epoch for s in first] == [1, 2]
     for a, b in zip(first, second):

@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import http.client
 import os
+import ssl
 import tempfile
+import urllib.error
 import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -40,6 +42,10 @@ _HOW_TO_PROVIDE = (
     f"To use local files instead, set the environment variable {ENV_VAR} (or pass "
     "root=...) to a folder containing train.txt, valid.txt and test.txt."
 )
+# What a failing connection raises. Other OSErrors while downloading come from our own
+# disk (full, read-only, no permission) and must not be reported as "are you offline?".
+_NETWORK_ERRORS = (urllib.error.URLError, http.client.HTTPException, ConnectionError,
+                   TimeoutError, ssl.SSLError)
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,8 @@ def download_split(split: str, folder: Path, progress: bool = True) -> Path:
 
     The bytes go to a temporary file in the same folder and are renamed into place only
     after verification, so an interrupted or corrupted download never leaves a
-    ``train.txt`` behind that a later run would trust.
+    ``train.txt`` behind that a later run would trust. (A killed process leaves its
+    ``.part`` file; `find_wikitext2` removes those before the next download.)
     """
     url = URL_TEMPLATE.format(split=split)
     folder.mkdir(parents=True, exist_ok=True)
@@ -87,10 +94,17 @@ def download_split(split: str, folder: Path, progress: bool = True) -> Path:
                     for chunk in iter(lambda: response.read(1 << 16), b""):
                         out.write(chunk)
                         bar.update(len(chunk))
-        except (OSError, http.client.HTTPException) as err:  # URLError is an OSError
+        except _NETWORK_ERRORS as err:
             raise RuntimeError(
                 f"Could not download WikiText-2 {split}.txt from {url} ({err}). "
                 f"Are you offline? {_HOW_TO_PROVIDE}"
+            ) from err
+        except OSError as err:
+            raise OSError(
+                err.errno,
+                f"Could not save WikiText-2 {split}.txt into {folder} ({err}). "
+                "Is the disk full or the folder read-only? Free some space, or set "
+                f"XDG_CACHE_HOME to a folder with room. {_HOW_TO_PROVIDE}",
             ) from err
         got = git_blob_id(tmp)
         if got != BLOB_IDS[split]:
@@ -122,6 +136,10 @@ def find_wikitext2(root: str | os.PathLike | None = None, download: bool = True)
         folder, source = default_cache_dir(), "the download cache"
     missing = [s for s in SPLITS if not (folder / f"{s}.txt").is_file()]
     if missing and folder == default_cache_dir() and download:
+        # Left by a download that was killed before it could clean up. (Only the cache
+        # is ever downloaded into, so these are ours.)
+        for stale in folder.glob(".*.part"):
+            stale.unlink(missing_ok=True)
         for split in missing:
             download_split(split, folder)
         return folder
@@ -139,18 +157,18 @@ def find_wikitext2(root: str | os.PathLike | None = None, download: bool = True)
     return folder
 
 
-def tokenize_lines(lines: Iterable[str], vocab: Vocab) -> torch.Tensor:
+def tokenize_lines(lines: Iterable[str], vocab: Vocab, source: str = "the text") -> torch.Tensor:
     """Turn lines of text into one flat stream of ids: the tutorial's ``data_process``.
 
     Each line is tokenised separately, lines with no tokens are dropped and the rest are
     concatenated with nothing in between, so the model sees article text run on across
-    line breaks exactly as in the PyTorch tutorials.
+    line breaks exactly as in the PyTorch tutorials. ``source`` names the text in errors.
     """
     per_line = [torch.tensor(vocab.lookup_indices(basic_english(line)), dtype=torch.long)
                 for line in lines]
     non_empty = [ids for ids in per_line if ids.numel() > 0]
     if not non_empty:
-        raise ValueError("The text contains no tokens; is the file empty?")
+        raise ValueError(f"{source} contains no tokens; is the file empty?")
     return torch.cat(non_empty)
 
 
@@ -161,13 +179,22 @@ def load_wikitext2(root: str | os.PathLike | None = None, download: bool = True)
     occur only in valid/test map to ``<unk>``.
     """
     folder = find_wikitext2(root, download)
-    lines = {}
-    for split in SPLITS:
-        with open(folder / f"{split}.txt", encoding="utf-8") as f:
-            lines[split] = list(f)
+    paths = {s: folder / f"{s}.txt" for s in SPLITS}
+    lines = {s: _read_lines(paths[s]) for s in SPLITS}
     vocab = Vocab(basic_english(line) for line in lines["train"])
-    ids = {s: tokenize_lines(lines[s], vocab) for s in SPLITS}
+    ids = {s: tokenize_lines(lines[s], vocab, source=str(paths[s])) for s in SPLITS}
     return WikiText2(train=ids["train"], valid=ids["valid"], test=ids["test"], vocab=vocab)
+
+
+def _read_lines(path: Path) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return list(f)
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{path} is not UTF-8 text (byte {err.start}: {err.reason}). WikiText-2 is "
+            "UTF-8: replace the file with the original, or convert it with iconv."
+        ) from err
 
 
 def batchify(data: torch.Tensor, batch_size: int) -> torch.Tensor:

@@ -174,7 +174,7 @@ def evaluate(
 
 @dataclass
 class EpochStats:
-    """One row of :func:`train`'s history; flat fields so a list of them tabulates directly."""
+    """One row of :func:`fit`'s history; flat fields so a list of them tabulates directly."""
 
     epoch: int
     train_loss: float  # mean of the epoch's step losses (weights still changing)
@@ -183,7 +183,7 @@ class EpochStats:
     seconds: float
 
 
-def train(
+def fit(
     model: nn.Module,
     train_data: torch.Tensor,
     valid_data: torch.Tensor,
@@ -197,6 +197,9 @@ def train(
     progress: bool = True,
 ) -> list[EpochStats]:
     """Train ``model`` with AdamW and report validation loss after each epoch.
+
+    Called ``fit`` rather than ``train`` because `pipeline_lib.lm.train` is the
+    ``torchrun`` program, a different thing.
 
     AdamW at 1e-3 rather than the tutorial's SGD at lr=5.0. That SGD rate was tuned for
     the small 200-wide model; on the 4096-wide preset the tutorial's init gives logits

@@ -11,13 +11,15 @@ installed around each call of the stage module (forward hooks), which also catch
 forward that a checkpointed stage replays before its backward. What they do not see:
 the stage *inputs* a checkpointed stage keeps for that replay (one tensor per micro-batch),
 and whatever the loss function saves on the last stage, which runs outside its module.
+`pipeline_lib.partition.layer_memory` counts each layer's activations with it too.
 
-`PeakTensorMemory`: the peak of tensor memory a block of code allocates. GPUs answer this with ``torch.cuda.max_memory_allocated``; the CPU allocator keeps no such
-statistic. So `PeakTensorMemory` watches every operation PyTorch runs inside the block
-(a ``TorchDispatchMode`` sees them all, forward and backward): each output that does not
-share its storage with an input (an in-place op or a view allocates nothing) is a new
-allocation and counts its storage's bytes until that storage is freed. The peak of that
-running total is the answer: activations, outputs, gradients and temporaries alike.
+`PeakTensorMemory`: the peak of tensor memory a block of code allocates. GPUs answer this
+with ``torch.cuda.max_memory_allocated``; the CPU allocator keeps no such statistic. So
+`PeakTensorMemory` watches every operation PyTorch runs inside the block (a
+``TorchDispatchMode`` sees them all, forward and backward): each output that does not share
+its storage with an input (an in-place op or a view allocates nothing) is a new allocation
+and counts its storage's bytes until that storage is freed. The peak of that running total
+is the answer: activations, outputs, gradients and temporaries alike.
 
 Not counted: tensors that existed before the block (weights, the batch), and memory
 outside PyTorch's tensors. The number is exact bytes of tensor storage, not the

@@ -1,0 +1,65 @@
+"""Start JupyterLab on notebooks/ so that it works wherever a class runs it (`make lab`).
+
+A plain `jupyter lab` stops or misleads on three common machines:
+
+* as root (Docker images, cloud notebooks, classroom VMs) it refuses to start without
+  ``--allow-root``, so that flag is passed, but only to root;
+* on a server with no display it tries to open a browser (a text one in the terminal if
+  one is installed) instead of only printing the URL, so it gets ``--no-browser`` there;
+* when its port is taken it quietly moves to the next free one, so the URL it prints,
+  with its token, is the one to open, and the banner says so.
+
+Any other arguments go to JupyterLab unchanged; the browser test starts the lab through
+this very file, so what it checks is what a learner runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+
+
+def is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def has_display() -> bool:
+    """Whether a browser window can open here: macOS and Windows always, Linux only under X or Wayland."""
+    if not sys.platform.startswith("linux"):
+        return True
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+def lab_command(port: int | None = None, extra: list[str] | None = None) -> list[str]:
+    """The command line `make lab` runs, in this interpreter's environment."""
+    cmd = [sys.executable, "-m", "jupyterlab", str(NOTEBOOKS)]
+    if port is not None:
+        cmd.append(f"--port={port}")
+    if is_root():
+        cmd.append("--allow-root")
+    if not has_display():
+        cmd.append("--no-browser")
+    return cmd + list(extra or [])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, help="port to try first (default: Jupyter's, 8888)")
+    args, extra = parser.parse_known_args(argv)
+    cmd = lab_command(args.port, extra)
+    print(
+        "Starting JupyterLab. Open the http://127.0.0.1:PORT/lab?token=... URL it prints below;\n"
+        "if the port is taken it picks the next free one, so use the URL as printed.\n"
+        "On a remote server, forward the port first: ssh -L PORT:localhost:PORT you@server",
+        file=sys.stderr,
+        flush=True,
+    )
+    os.execv(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    main()
