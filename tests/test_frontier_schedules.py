@@ -16,6 +16,7 @@ from torch import nn
 
 import dist_frontier_worker as worker
 from conftest import assert_same_grads
+from workloads import padded_batch, token_mean, token_model, token_sum, tree_batch, tree_model
 from pipeline_lib import Pipe
 from pipeline_lib.schedules import build, ranks_for, stages_per_rank, zb_v
 
@@ -87,6 +88,28 @@ def test_dropout_masks_do_not_depend_on_the_schedule(name):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("name", worker.FRONTIER)
+def test_trees_between_stages_and_token_count_losses(name):
+    """Dicts and lists between stages, and a (loss_sum, count) loss over padded rows
+    whose micro-batches hold different numbers of real tokens: one stage per layer, so
+    the V-shaped schedules turn on rank 1 and end on rank 0."""
+    inputs, y = tree_batch()
+    reference = tree_model()
+    nn.functional.cross_entropy(reference(inputs), y).backward()
+    model = tree_model()
+    Pipe(model, chunks=4, balance=[1, 1, 1, 1]).step(inputs, y, nn.CrossEntropyLoss(), name)
+    assert_same_grads(model, reference)
+
+    inputs, target = padded_batch()
+    reference = token_model()
+    expected = token_mean(reference(inputs), target)
+    expected.backward()
+    model = token_model()
+    loss = Pipe(model, chunks=4, balance=[1, 1, 1, 1]).step(inputs, target, token_sum, name)
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads(model, reference)
+
+
 def test_v_shape_keeps_both_chunks_of_a_rank_on_its_device():
     """Rank 0 holds stages 0 and 3 of a 4-stage V: Pipe refuses them on two devices."""
     model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
@@ -133,19 +156,24 @@ def launched(tmp_path_factory):
 PROCESS_CASES = [(mesh, *case) for mesh in ("2x1", "4x1", "2x2") for case in worker.cases(mesh)]
 
 
-@pytest.mark.parametrize("mesh,name,checkpoint,chunks", PROCESS_CASES)
+@pytest.mark.parametrize("mesh,name,checkpoint,chunks,workload", PROCESS_CASES)
 def test_processes_match_unpipelined_loss_and_gradients(launched, mesh, name, checkpoint,
-                                                        chunks):
+                                                        chunks, workload):
+    """Every replica ends with the whole batch's loss and gradients: for token counts,
+    the mean over every real token of the global batch."""
     pp, dp = (int(n) for n in mesh.split("x"))
-    inputs, target = worker.base.batch()
-    model = worker.base.tiny_lm()
-    expected = worker.base.token_loss(model(inputs), target)
+    if workload == "lm":
+        model, (inputs, target), loss_fn = (worker.base.tiny_lm(), worker.base.batch(),
+                                            worker.base.token_loss)
+    else:
+        model, (inputs, target), loss_fn = token_model(), padded_batch(), token_mean
+    expected = loss_fn(model(inputs), target)
     expected.backward()
     reference = {n: p.grad for n, p in model.named_parameters()}
 
     folder = launched(pp * dp)
-    ranks = [torch.load(folder / f"{worker.tag(mesh, name, checkpoint, chunks)}-rank{r}.pt")
-             for r in range(pp * dp)]
+    ranks = [torch.load(folder / f"{worker.tag(mesh, name, checkpoint, chunks, workload)}"
+                                 f"-rank{r}.pt") for r in range(pp * dp)]
     for d in range(dp):
         replica = ranks[d * pp:(d + 1) * pp]
         losses = [r["loss"] for r in replica]
