@@ -32,7 +32,8 @@ from torch import nn
 
 from bench_distributed import HEADLINE, QUICK, Config, batch, build, lm_loss, zero_grad_of
 from pipeline_lib.distributed import DistributedPipe
-from pipeline_lib.distributed.mesh import Mesh, init_mesh, process_group
+from pipeline_lib.distributed.job import process_group
+from pipeline_lib.distributed.mesh import Mesh, init_mesh
 from pipeline_lib.partition import balance_by_time
 from pipeline_lib.schedules import build as build_schedule, stages_per_rank
 from pipeline_lib.timeline import Event, Timeline, rank_facts, simulate_measured

@@ -16,7 +16,8 @@ import torch
 
 import dist_worker as base   # the tiny LM, its batch and loss, shared with test_distributed
 from pipeline_lib.distributed import DistributedPipe
-from pipeline_lib.distributed.mesh import init_mesh, process_group
+from pipeline_lib.distributed.job import process_group
+from pipeline_lib.distributed.mesh import init_mesh
 from pipeline_lib.schedules import stages_per_rank
 from workloads import padded_batch, token_model, token_sum
 

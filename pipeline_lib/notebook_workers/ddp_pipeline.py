@@ -3,10 +3,11 @@ job of notebook 04.
 
     torchrun --nproc-per-node 4 -m pipeline_lib.notebook_workers.ddp_pipeline WORKDIR
 
-``WORKDIR/setup.pt`` (`write_setup`) holds the job: the ``pp × dp`` mesh, the model's
+``WORKDIR/setup.pt`` (`write_ddp_pipeline_setup`) holds the job: the ``pp × dp`` mesh, the model's
 config and weights, the balance, schedule and micro-batch count, SGD's learning rate and the
 global batches. Every process trains its stage of its replica with `DistributedPipe` and
-saves a `RankRecord` of what it saw; `read_records` loads them in rank order. They hold what
+saves a `RankRecord` of what it saw (``WORKDIR/rank{r}.pt``); `read_records` loads them
+in rank order. They hold what
 the notebook checks:
 
 * the rank's place in the mesh, read from the process groups themselves;
@@ -31,10 +32,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipeline_lib.distributed.pipe import DistributedPipe
 from pipeline_lib.distributed.launch import backend_for, worker_device
-from pipeline_lib.distributed.mesh import Mesh, init_mesh, process_group
+from pipeline_lib.distributed.job import process_group
+from pipeline_lib.distributed.mesh import Mesh, init_mesh
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.timeline import Event, Timeline
 from pipeline_lib.lm.loops import lm_loss
+from pipeline_lib.notebook_workers import results
+
+RESULTS = "rank"   # each process saves WORKDIR/rank{rank}.pt
 
 
 @dataclass
@@ -79,9 +84,11 @@ class RankRecord:
     last_step: list[Event]
 
 
-def write_setup(workdir: str | Path, setup: Setup) -> Path:
+def write_ddp_pipeline_setup(workdir: str | Path, setup: Setup) -> Path:
+    """Save the job; the records of an earlier job in ``workdir`` are removed."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    results.clear(workdir, RESULTS)
     path = workdir / "setup.pt"
     torch.save(asdict(setup), path)
     return path
@@ -90,15 +97,9 @@ def write_setup(workdir: str | Path, setup: Setup) -> Path:
 def read_records(workdir: str | Path) -> list[RankRecord]:
     """Every rank's record, in rank order."""
     setup = torch.load(Path(workdir) / "setup.pt")
-    paths = [Path(workdir) / f"rank{r}.pt" for r in range(setup["pp"] * setup["dp"])]
-    missing = [p.name for p in paths if not p.is_file()]
-    if missing:
-        raise FileNotFoundError(f"{', '.join(missing)} not found in {workdir}: run `torchrun "
-                                f"--nproc-per-node {len(paths)} -m pipeline_lib.notebook_workers.ddp_pipeline "
-                                f"{workdir}` first, and check its output for errors")
+    command = f"torchrun --nproc-per-node {setup['pp'] * setup['dp']} -m {__name__} {workdir}"
     records = []
-    for path in paths:
-        saved = torch.load(path)
+    for saved in results.load(workdir, RESULTS, command):
         saved["all_reduces"] = [AllReduce(**a) for a in saved["all_reduces"]]
         saved["last_step"] = Timeline.from_dict(saved["last_step"]).events
         records.append(RankRecord(**saved))
@@ -159,7 +160,8 @@ def _action_at(events: Sequence[Event], time: float) -> str:
     return next((str(e.action) for e in events if e.start <= time <= e.end), "between actions")
 
 
-def train(setup: Setup, mesh: Mesh) -> RankRecord:
+def train_and_record(setup: Setup, mesh: Mesh) -> RankRecord:
+    """Train this rank's share of the job, recording what happened."""
     model = transformer_lm(**setup.model_config)
     model.load_state_dict(setup.state_dict)
     names = {id(p): name for name, p in model.named_parameters()}
@@ -198,10 +200,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     setup = Setup(**torch.load(args.workdir / "setup.pt"))
     with process_group(backend_for(worker_device()), timeout=args.timeout):
         mesh = init_mesh(setup.pp, setup.dp, args.timeout)
-        record = train(setup, mesh)
+        results.start_run(args.workdir, RESULTS)
+        record = train_and_record(setup, mesh)
         saved = asdict(record)
         saved["last_step"] = Timeline(setup.pp * setup.dp, record.last_step).to_dict()
-        torch.save(saved, args.workdir / f"rank{mesh.rank}.pt")
+        results.save(args.workdir, RESULTS, saved)
 
 
 if __name__ == "__main__":
