@@ -159,7 +159,7 @@ def report(config: Config, balances: dict[int, list[int]], runs: list[dict]) -> 
         memory = f"{r['activations']:g}" if "activations" in r else ""
         print(f"| {r['run']} | {r['m']} | {r['step_s']:.3f} | {r['vs_torch_1f1b']:.2f}x | "
               f"{predicted} | {memory} | " + " | ".join(cells) + " |")
-    print("F, B, I, W: median seconds of one action (two-chunk schedules: of half a rank's "
+    print("F, B, I, W: median time of one action (two-chunk schedules: of half a rank's "
           "layers); activations: the simulator's peak, in micro-batches of a rank's layers "
           "(1F1B's is 2 on 2 ranks).")
 
