@@ -353,7 +353,7 @@ def test_bad_batches_and_schedules_get_clear_errors():
     pipe = Pipe(make_model(), chunks=2, balance=[4, 5])
     with pytest.raises(ValueError, match="the inputs have 8 rows .* but the target has 4"):
         pipe.step(x, y[:4], nn.CrossEntropyLoss())
-    with pytest.raises(TypeError, match=r"schedule must be the name of one \(1f1b, gpipe"):
+    with pytest.raises(TypeError, match=r"schedule must be the name of one \(1f1b, .*gpipe"):
         pipe.step(x, y, nn.CrossEntropyLoss(), schedule=None)
     with pytest.raises(TypeError, match=r"no tensor to split .*got list of \(int\)"):
         pipe.step(x, y.tolist(), nn.CrossEntropyLoss())

@@ -64,9 +64,8 @@ def test_pytorch_1f1b_order_matches_ours_except_possibly_the_last_rank():
             validate(theirs)
 
 
-def test_pytorch_schedule_refuses_v_shaped_placement():
-    with pytest.raises(ValueError, match="V-shaped"):
-        pytorch_schedule("ZBVZeroBubble", 2, 4, 2)
+def test_pytorch_schedule_keeps_v_shaped_placement():
+    assert pytorch_schedule("ZBVZeroBubble", 2, 4, 2).placement == (0, 1, 1, 0)
 
 
 def test_worker_rejects_unknown_runs_before_starting(tmp_path):

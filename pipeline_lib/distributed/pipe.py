@@ -1,7 +1,8 @@
 """Pipeline parallelism across processes: the schedules the simulator draws, run by torchrun.
 
-One process per pipeline rank. Rank ``r`` holds every stage ``s`` with ``s % pp == r``
-(``v`` of them for interleaved 1F1B) and runs ``schedule.actions[r]`` in order, driving a
+One process per pipeline rank. Rank ``r`` holds every stage ``s`` that the schedule places
+there (``schedule.rank_of(s) == r``: ``s % pp`` for looped schedules, a V for ZB-V and
+DualPipeV) and runs ``schedule.actions[r]`` in order, driving a
 `StageRunner` per stage exactly as the threaded `Pipe.step` does: same loss scaling
 (`pipeline_lib.loss`), same dropout seeds per (stage, micro-batch). Only the way
 activations and gradients travel differs, and that is the lesson of this module.
@@ -113,7 +114,7 @@ class DistributedPipe:
 
     Every rank builds the same ``module`` (seed before building it) and passes the same
     arguments; each keeps only the stages of ``balance`` that live on it (stage ``s`` on
-    pipe rank ``s % pp``), moved to ``mesh.device``. ``schedule`` is a name of
+    pipe rank ``schedule.rank_of(s)``), moved to ``mesh.device``. ``schedule`` is a name of
     `schedules.BUILDERS` or a `Schedule` for ``mesh.pp`` ranks. ``post_early=False``
     sends every message as `p2p.Transport` does, header then tensors, each waiting for its
     receive: simpler to follow, slower for small stages (`p2p.PostedEarly` is the speed-up).

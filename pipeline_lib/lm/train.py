@@ -24,7 +24,7 @@ from pipeline_lib.lm.data import batchify, get_batch, load_wikitext2
 from pipeline_lib.lm.loops import batch_starts, lm_loss, seed_everything
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.partition import balance_by_params, balance_by_time
-from pipeline_lib.schedules import BUILDERS
+from pipeline_lib.schedules import BUILDERS, stages_per_rank
 from pipeline_lib.timeline import simulate_measured
 
 
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         source, vocab = _training_tokens(args, mesh.rank)
         seed_everything(args.seed)
         model = transformer_lm(vocab, args.preset)
-        stages = args.pp * (args.virtual_stages if args.schedule == "interleaved_1f1b" else 1)
+        stages = args.pp * stages_per_rank(args.schedule, args.virtual_stages)
         sample = get_batch(source, 0, args.bptt)[0][:max(1, args.batch // (args.dp * args.chunks))]
         balance = _balance(model, sample, stages, args.balance)
         pipe = DistributedPipe(model, mesh, balance, args.chunks, args.schedule, args.checkpoint)

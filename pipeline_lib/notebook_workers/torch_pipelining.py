@@ -38,23 +38,21 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           SplitPoint, pipeline)
-from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-from torch.distributed.pipelining.schedules import _ComputationType
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from pipeline_lib.distributed.launch import worker_device
 from pipeline_lib.distributed.job import process_group
 from pipeline_lib.lm.model import transformer_lm
+from pipeline_lib import pytorch_schedules
 from pipeline_lib.schedules import Action, Schedule
 from pipeline_lib.timeline import Event, Timeline
 from pipeline_lib.lm.loops import lm_loss
 from pipeline_lib.notebook_workers import results
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+pytorch_schedule = pytorch_schedules.pytorch_schedule   # notebook 05 imports it from here
 SPLITS = ("manual", "tracer")
 RESULTS = "rank"   # each process saves WORKDIR/SCHEDULE-SPLIT/rank{rank}.pt
-_COMPUTE = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B",
-            _ComputationType.BACKWARD_INPUT: "I", _ComputationType.BACKWARD_WEIGHT: "W"}
 
 
 # -- the two ways to cut a stage out of the model --------------------------------------
@@ -270,39 +268,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             results.start_run(folder, RESULTS)
             result = _run(setup, schedule, split, args.microbatches, args.steps, device)
             results.save(folder, RESULTS, result)
-
-
-# -- PyTorch's schedules as our Schedule --------------------------------------------------
-
-def pytorch_schedule(name: str, ranks: int, microbatches: int,
-                     virtual_stages: int | None = None) -> Schedule:
-    """The order in which PyTorch's schedule ``name`` ("GPipe", "1F1B",
-    "Interleaved1F1B", "InterleavedZeroBubble", ...) runs each rank's actions, as a
-    `Schedule`. Not validated: call `validate` on it.
-
-    It comes from PyTorch's ``pipeline_order`` (via its schedule visualiser, which needs
-    no processes), dropping the idle slots (``None``) and non-compute actions
-    (``REDUCE_GRAD``, sends, receives). PyTorch writes actions exactly as we do, stage,
-    kind, micro-batch: ``_Action(0, F, 1)`` prints as ``0F1``.
-    """
-    program = get_schedule_ops(name, ranks, microbatches, virtual_stages)
-    actions: list[list[Action]] = []
-    for rank, order in enumerate(program):
-        actions.append([])
-        for a in order:
-            if a is not None and a.computation_type == _ComputationType.OVERLAP_F_B:
-                raise ValueError(f"{name} overlaps a forward with a backward ({a}); a "
-                                 f"Schedule runs one action at a time")
-            if a is None or a.computation_type not in _COMPUTE:
-                continue
-            if a.stage_index % ranks != rank:
-                raise ValueError(f"{name} puts stage {a.stage_index} on rank {rank}; a "
-                                 f"Schedule places stage s on rank s % ranks (a V-shaped "
-                                 f"placement has no equivalent)")
-            actions[rank].append(Action(a.stage_index, _COMPUTE[a.computation_type],
-                                        a.microbatch_index))
-    return Schedule(f"PyTorch {name}", ranks, microbatches, actions,
-                    virtual_stages=virtual_stages or 1)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pipeline_lib.loss import StepGradients, check_count, check_grad_mode, total
 from pipeline_lib.microbatch import check_rows, gather, loss_weights, split
 from pipeline_lib.partition import group_layers
 from pipeline_lib.rng import new_step_seed
-from pipeline_lib.schedules import BUILDERS, Action, Schedule, plan
+from pipeline_lib.schedules import BUILDERS, Action, Schedule, plan, ranks_for
 from pipeline_lib.skip import SkipError, SkipKey, describe, skip_routes
 from pipeline_lib.stage import LossFn, StageRunner, to_device
 from pipeline_lib.threaded.threads import Mailbox, run_programs
@@ -204,19 +204,14 @@ class Pipe(nn.Module):
         if not isinstance(schedule, (str, Schedule)):
             raise TypeError(f"schedule must be the name of one ({', '.join(sorted(BUILDERS))})"
                             f" or a Schedule, got {schedule!r}")
-        if schedule == "interleaved_1f1b" and n % 2:
-            raise ValueError(f"interleaved_1f1b puts 2 stages on each device, so it needs an "
-                             f"even number of stages, not {n}")
-        if isinstance(schedule, Schedule):
-            ranks = schedule.ranks
-        else:
-            ranks = n // 2 if schedule == "interleaved_1f1b" else n
+        ranks = schedule.ranks if isinstance(schedule, Schedule) else ranks_for(schedule, n)
         schedule = plan(schedule, ranks, n, microbatches)
         for s in range(n):
-            if self.devices[s] != self.devices[schedule.rank_of(s)]:
+            first = schedule.stages_on(schedule.rank_of(s))[0]   # sets the rank's device
+            if self.devices[s] != self.devices[first]:
                 raise ValueError(f"{schedule.name} runs stage {s} on rank "
                                  f"{schedule.rank_of(s)}, so it must be on device "
-                                 f"{self.devices[schedule.rank_of(s)]}, not {self.devices[s]}")
+                                 f"{self.devices[first]}, not {self.devices[s]}")
         return schedule
 
     def step(self, inputs: Any, target: Any, loss_fn: LossFn,
@@ -274,7 +269,7 @@ class Pipe(nn.Module):
                 if s > 0:
                     mailbox.put(("B", s - 1, i), to_device(grad_in, self.devices[s - 1]))
 
-        rank_devices = [self.devices[r] for r in range(plan.ranks)]
+        rank_devices = [self.devices[plan.stages_on(r)[0]] for r in range(plan.ranks)]
         grads = StepGradients(self.parameters())
         try:
             self._run_programs(plan.actions, rank_devices, receive, compute, mailbox,
