@@ -1,7 +1,8 @@
 """The frontier schedules (ZB-H2, ZB-V, DualPipeV, interleaved zero bubble, looped BFS,
-interleaved 1F1B for any m) compute what unpipelined training computes: in threads
-(`Pipe.step`) and in processes (`DistributedPipe`), in every checkpoint mode, with uneven
-micro-batches, V-shaped placement included."""
+interleaved 1F1B for any m) compute what unpipelined training computes: in processes
+(`DistributedPipe`), in every checkpoint mode, with uneven micro-batches, V-shaped
+placement included; with dropout, trees and token-count losses in threads. (The threaded
+equivalence for every schedule, checkpoint mode and m is `test_pipe`'s.)"""
 from __future__ import annotations
 
 import os
@@ -16,58 +17,11 @@ from torch import nn
 
 import dist_frontier_worker as worker
 from conftest import assert_same_grads
-from workloads import padded_batch, token_mean, token_model, token_sum, tree_batch, tree_model
+from workloads import data, make_model, padded_batch, token_mean, token_model, token_sum, tree_batch, tree_model
 from pipeline_lib import Pipe
-from pipeline_lib.schedules import build, ranks_for, stages_per_rank, zb_v
+from pipeline_lib.schedules import zb_v
 
-CHECKPOINTS = ["always", "except_last", "never"]
-BALANCES = {2: [4, 5], 3: [3, 3, 3], 4: [2, 2, 2, 3]}
 REPO = Path(__file__).resolve().parent.parent
-
-
-def make_model(dropout: float = 0.0) -> nn.Sequential:
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(4):
-        layers += [nn.Linear(6, 6), nn.Dropout(dropout) if dropout else nn.Tanh()]
-    return nn.Sequential(*layers, nn.Linear(6, 3))
-
-
-def data(rows: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(rows, 6, generator=g), torch.randint(0, 3, (rows,), generator=g)
-
-
-def threaded_cases():
-    """Each schedule on every stage count it accepts (two per rank for the V and looped
-    ones), with 1 micro-batch, fewer than the stages, uneven ones (10 rows in 3, 4) and
-    one per row."""
-    for name in worker.FRONTIER:
-        for stages in (2, 3, 4):
-            if stages % stages_per_rank(name) == 0:
-                for chunks in (1, 3, 4, 10):
-                    yield name, stages, chunks
-
-
-@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
-@pytest.mark.parametrize("name,stages,chunks", list(threaded_cases()))
-def test_threaded_step_matches_unpipelined_loss_and_gradients(name, stages, chunks, checkpoint):
-    x, y = data()
-    loss_fn = nn.CrossEntropyLoss()
-    reference = make_model()
-    expected = loss_fn(reference(x), y)
-    expected.backward()
-
-    model = make_model()
-    pipe = Pipe(model, chunks=chunks, checkpoint=checkpoint, balance=BALANCES[stages])
-    loss = pipe.step(x, y, loss_fn, schedule=name)
-
-    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
-    assert_same_grads(model, reference)
-    schedule = build(name, ranks_for(name, stages), chunks)
-    for r in range(schedule.ranks):   # each rank's thread ran its program in order
-        mine = sorted((e for e in pipe.timeline.events if e.rank == r), key=lambda e: e.start)
-        assert [e.action for e in mine] == schedule.actions[r]
 
 
 @pytest.mark.parametrize("name", worker.FRONTIER)
