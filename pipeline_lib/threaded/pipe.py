@@ -22,6 +22,7 @@ from pipeline_lib.rng import new_step_seed
 from pipeline_lib.schedules import BUILDERS, Action, Schedule, plan, ranks_for
 from pipeline_lib.skip import SkipError, SkipKey, describe, skip_routes
 from pipeline_lib.stage import LossFn, StageRunner, to_device
+from pipeline_lib.threaded import allocator
 from pipeline_lib.threaded.threads import Mailbox, run_programs
 from pipeline_lib.timeline import Timeline
 
@@ -54,6 +55,11 @@ class Pipe(nn.Module):
       running statistics are updated once per mini-batch, as without micro-batches.
     * Stages stay on their devices: moving the Pipe (``.cuda()``, ``.to(device)``)
       raises `TypeError`; a dtype conversion (``.double()``) is fine.
+    * With a stage on the CPU, building a Pipe sets glibc's allocator, process-wide and
+      once per process, to keep freed memory instead of faulting every step's
+      activations in again (see `allocator`), which costs CPU stage threads part of
+      their speedup. ``keep_freed_memory=False``, or
+      ``PIPELINE_LIB_KEEP_FREED_MEMORY=0`` in the environment, leaves glibc's defaults.
 
     ``pipe(x)`` is the classic API: a pipelined forward whose output is connected to
     autograd, so ``criterion(pipe(x), y).backward()`` trains as usual; autograd runs the
@@ -66,7 +72,7 @@ class Pipe(nn.Module):
     def __init__(self, module: nn.Sequential, chunks: int = 1,
                  checkpoint: str = "except_last", balance: Sequence[int] | None = None,
                  devices: Sequence[torch.device | str] | None = None,
-                 deferred_batch_norm: bool = False):
+                 deferred_batch_norm: bool = False, keep_freed_memory: bool = True):
         super().__init__()
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"Pipe needs an nn.Sequential, got {type(module).__name__}; "
@@ -84,6 +90,7 @@ class Pipe(nn.Module):
                           for _ in range(count)]
         self.skip_routes = skip_routes(module, stage_of_layer)
         self.devices = stage_devices(stages, devices)
+        allocator.for_stages(self.devices, keep_freed_memory)
         self.partitions = nn.ModuleList(s.to(d) for s, d in zip(stages, self.devices))
         self.timeline: Timeline | None = None
 
