@@ -221,23 +221,30 @@ def report(config: Config, balance: list[int], seq1: float, seq2: float,
           f"(p·m/(m+p-1) for equal stages): {speedups}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def launcher_args(description: str, microbatches: list[int], steps: int,
+                  split_flag: str) -> argparse.Namespace:
+    """The flags of a benchmark that starts itself again under torchrun: the hidden ones
+    (``--worker``, ``--config``, the split, ``--out``) hand each worker its job."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="small model, few steps")
-    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--config", help=argparse.SUPPRESS)
-    parser.add_argument("--balance", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=microbatches)
+    for hidden in ("--worker", "--config", split_flag, "--out"):
+        parser.add_argument(hidden, help=argparse.SUPPRESS,
+                            **({"action": "store_true"} if hidden == "--worker" else {}))
     args = parser.parse_args()
+    if args.steps is None:
+        args.steps = 2 if args.quick else steps
+    return args
+
+
+def main() -> None:
+    args = launcher_args(__doc__.split("\n\n")[0], [4, 8], 4, "--balance")
     if args.worker:
         worker(args)
         return
     config = QUICK if args.quick else HEADLINE
-    args.warmup = args.warmup if args.warmup is not None else 1
-    args.steps = args.steps if args.steps is not None else (2 if args.quick else 4)
     torch.set_num_threads(1)
     sample = batch(config)[0][:config.batch // max(args.microbatches)]
     balance = balance_by_time(build(config), sample, 2)

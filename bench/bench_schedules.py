@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench_distributed import HEADLINE, QUICK, Config, batch, build, lm_loss, zero_grad_of
+from bench_distributed import (HEADLINE, QUICK, Config, batch, build, launcher_args, lm_loss,
+                               zero_grad_of)
 from pipeline_lib.distributed import DistributedPipe
 from pipeline_lib.distributed.job import process_group
 from pipeline_lib.distributed.mesh import Mesh, init_mesh
@@ -165,21 +166,11 @@ def report(config: Config, balances: dict[int, list[int]], runs: list[dict]) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small model, few steps")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--microbatches", type=int, nargs="+", default=[8])
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--config", help=argparse.SUPPRESS)
-    parser.add_argument("--balances", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = launcher_args(__doc__.split("\n\n")[0], [8], 5, "--balances")
     if args.worker:
         worker(args)
         return
     config = QUICK if args.quick else HEADLINE
-    args.steps = args.steps if args.steps is not None else (2 if args.quick else 5)
     torch.set_num_threads(1)
     sample = batch(config)[0][:config.batch // max(args.microbatches)]
     model = build(config)
