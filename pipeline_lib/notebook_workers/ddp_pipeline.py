@@ -67,7 +67,8 @@ class AllReduce:
     stage: int
     bucket: int
     action: str      # the schedule action running on this rank at that moment, e.g. "0B3"
-    time: float      # on the mesh clock, shared by all ranks
+    time: float      # when it started, on the mesh clock, shared by all ranks
+    end: float       # when its result was ready, on the same clock
 
 
 @dataclass
@@ -112,7 +113,7 @@ def last_step_timeline(records: Sequence[RankRecord]) -> tuple[Timeline, list[Al
     events = [e for r in records for e in r.last_step]
     t0 = min(e.start for e in events)
     last = max(a.step for r in records for a in r.all_reduces)
-    syncs = [AllReduce(a.rank, a.step, a.stage, a.bucket, a.action, a.time - t0)
+    syncs = [AllReduce(a.rank, a.step, a.stage, a.bucket, a.action, a.time - t0, a.end - t0)
              for r in records for a in r.all_reduces if a.step == last]
     return Timeline(len(records), events).shifted(), syncs
 
@@ -139,10 +140,11 @@ class ReplicaLoss:
         return mean
 
 
-def _record_all_reduces(pipe: DistributedPipe, mesh: Mesh,
-                        log: list[tuple[int, int, float]]) -> None:
+def _record_all_reduces(pipe: DistributedPipe, mesh: Mesh, log: list[list[float]]) -> None:
     """Register a DDP communication hook on each replicated stage that runs DDP's own
-    all-reduce (the average over the DDP group) and logs (stage, bucket, time)."""
+    all-reduce (the average over the DDP group) and logs [stage, bucket, start, end]: the
+    end is filled in when the all-reduce's future completes, so the notebook can show how
+    much of it no computation hid."""
     for stage, module in pipe.modules.items():
         if not isinstance(module, DistributedDataParallel):
             continue
@@ -150,8 +152,14 @@ def _record_all_reduces(pipe: DistributedPipe, mesh: Mesh,
         # Not annotated: DDP checks the hook's annotations against dist.GradBucket and
         # torch.futures.Future, which the string annotations of this module never equal.
         def hook(group, bucket, stage=stage):  # type: ignore[no-untyped-def]
-            log.append((stage, bucket.index(), mesh.clock()))
-            return allreduce_hook(group, bucket)
+            entry = [stage, bucket.index(), mesh.clock(), float("nan")]
+            log.append(entry)
+
+            def finished(future):  # type: ignore[no-untyped-def]
+                entry[3] = mesh.clock()
+                return future.value()
+
+            return allreduce_hook(group, bucket).then(finished)
 
         module.register_comm_hook(mesh.dp_group, hook)
 
@@ -167,7 +175,7 @@ def train_and_record(setup: Setup, mesh: Mesh) -> RankRecord:
     names = {id(p): name for name, p in model.named_parameters()}
     pipe = DistributedPipe(model, mesh, setup.balance, setup.chunks, setup.schedule)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=setup.lr)
-    hooked: list[tuple[int, int, float]] = []
+    hooked: list[list[float]] = []
     _record_all_reduces(pipe, mesh, hooked)
     loss_fn = ReplicaLoss()
     replica_losses, losses, all_reduces = [], [], []
@@ -178,8 +186,9 @@ def train_and_record(setup: Setup, mesh: Mesh) -> RankRecord:
         if loss is not None:
             losses.append(loss.item())
             replica_losses.append(loss_fn.take())
-        all_reduces += [AllReduce(mesh.rank, step, stage, bucket, _action_at(pipe.events, t), t)
-                        for stage, bucket, t in hooked]
+        all_reduces += [AllReduce(mesh.rank, step, int(stage), int(bucket),
+                                  _action_at(pipe.events, start), start, end)
+                        for stage, bucket, start, end in hooked]
         hooked.clear()
     return RankRecord(
         rank=mesh.rank, replica=mesh.replica, pipe_rank=mesh.pipe_rank,
