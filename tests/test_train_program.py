@@ -51,14 +51,17 @@ def test_a_failed_write_keeps_the_last_good_timeline(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["timeline.json"]
 
 
-def test_two_ranks_train_and_save_the_last_logged_timeline(tmp_path):
+@pytest.mark.parametrize("schedule,actions", [("1f1b", 2 * 2 * 2),        # F, B; m = 2
+                                              ("zb_v", 4 * 2 * 3)])       # F, I, W on 4 stages
+def test_two_ranks_train_and_save_the_last_logged_timeline(tmp_path, schedule, actions):
+    """On a V schedule the last stage, which has the loss and logs, is on rank 0."""
     target = tmp_path / "timeline.json"
     output = torchrun("pipeline_lib.lm.train", [
-        "--pp", "2", "--synthetic", "50", "--steps", "3", "--log-every", "2", "--batch", "4",
-        "--bptt", "8", "--chunks", "2", "--balance", "params", "--timeline", target,
-        "--timeout", "60"], nproc=2, timeout=150)
+        "--pp", "2", "--schedule", schedule, "--synthetic", "50", "--steps", "3",
+        "--log-every", "2", "--batch", "4", "--bptt", "8", "--chunks", "2",
+        "--balance", "params", "--timeline", target, "--timeout", "60"], nproc=2, timeout=150)
     assert [line.split()[1] for line in output.splitlines() if line.startswith("step")] \
         == ["2", "3"]
     timeline = Timeline.from_dict(json.loads(target.read_text()))
-    assert timeline.ranks == 2 and len(timeline.events) == 2 * 2 * 2   # F and B, m = 2
+    assert timeline.ranks == 2 and len(timeline.events) == actions
     assert [p.name for p in tmp_path.iterdir()] == ["timeline.json"]

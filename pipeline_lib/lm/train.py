@@ -143,7 +143,9 @@ def main(argv: list[str] | None = None) -> None:
         pipe = DistributedPipe(model, mesh, balance, args.chunks, args.schedule, args.checkpoint)
         del model   # this rank keeps only its stages
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
-        logger = args.pp - 1   # replica 0's last stage: it has the loss
+        # replica 0's rank holding the last stage has the loss: the last rank on a looped
+        # schedule, rank 0 on a V (zb_v, dualpipe_v)
+        logger = pipe.schedule.rank_of(pipe.schedule.stages - 1)
         if mesh.rank == logger:
             print(f"{pipe.schedule.name}: {args.pp} pipeline ranks x {args.dp} replicas, "
                   f"stages {balance} (by {args.balance}), {args.chunks} micro-batches",
