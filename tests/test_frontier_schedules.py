@@ -153,4 +153,5 @@ def test_gantt_draws_each_stage_of_a_v_on_the_rank_that_holds_it():
     stage_labels = [t for t in ax.texts if t.get_text().startswith("s")]
     assert {t.get_text() for t in stage_labels} == {"s0", "s1", "s2", "s3"}
     for t in stage_labels:   # written under the micro-batch, on the row of its rank
-        assert t.get_position()[1] - 0.25 == schedule.rank_of(int(t.get_text()[1:]))
+        rank = schedule.rank_of(int(t.get_text()[1:]))
+        assert rank < t.get_position()[1] < rank + 0.4
