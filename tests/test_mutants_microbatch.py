@@ -1,0 +1,69 @@
+"""microbatch.py: 1-D tensors (class labels) are split and gathered like any batch; 0-d
+tensors are shared; the error messages say what to do.
+
+Written against the mutants `make mutants` found alive (see mutants-equivalent.md).
+"""
+import pytest
+import torch
+from torch import nn
+
+from pipeline_lib import Pipe
+from pipeline_lib.microbatch import NoChunk, gather, split
+
+
+def test_1d_labels_are_split_with_their_rows_and_gathered_back():
+    x = torch.arange(20.0).reshape(10, 2)
+    labels = torch.arange(10) * 10  # one class label per row: the README's example
+
+    parts = split((x, labels), 4)
+
+    assert [p[1].tolist() for p in parts] == [[0, 10, 20], [30, 40, 50], [60, 70], [80, 90]]
+    for rows, label in parts:  # each micro-batch gets its own rows' labels, no others
+        assert torch.equal(rows[:, 0] * 5, label.float())
+    assert torch.equal(gather([p[1] for p in parts]), labels)
+    assert torch.equal(gather(split(labels, 3)), labels)
+
+
+def test_1d_outputs_of_every_microbatch_are_gathered():
+    outputs = [torch.tensor([1.0, 2.0]), torch.tensor([3.0]), torch.tensor([4.0, 5.0])]
+    assert gather(outputs).tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert gather([(o, o * 2) for o in outputs])[1].tolist() == [2.0, 4.0, 6.0, 8.0, 10.0]
+
+
+def test_a_0d_tensor_in_the_batch_goes_whole_to_every_microbatch():
+    x, temperature = torch.randn(6, 3), torch.tensor(0.5)
+    parts = split((x, temperature), 3)
+    assert [p[0].size(0) for p in parts] == [2, 2, 2]
+    assert all(p[1] is temperature for p in parts)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "bug (found by mutant gather__mutmut_7): gather returns micro-batch 0's 0-d output and "
+    "drops the others, so Pipe(model) of a model ending in a scalar (x.sum()) silently "
+    "returns the first micro-batch's value; it should refuse 0-d outputs with a clear "
+    "error (pipeline_lib/microbatch.py is not this branch's to change)"))
+def test_0d_outputs_are_refused_not_silently_reduced_to_the_first():
+    with pytest.raises(ValueError, match="0-d"):
+        gather([torch.tensor(1.0), torch.tensor(2.0)])
+    model = nn.Sequential(nn.Linear(2, 2), Sum())
+    x = torch.randn(4, 2)
+    with pytest.raises(ValueError):
+        Pipe(model, chunks=2)(x)
+
+
+class Sum(nn.Module):
+    def forward(self, x):
+        return x.sum()
+
+
+def test_error_messages_are_exact():
+    with pytest.raises(TypeError) as info:
+        NoChunk([1, 2])
+    assert str(info.value) == "NoChunk wraps a tensor, got list"
+    with pytest.raises(TypeError) as info:
+        split((torch.tensor(1.0), "flag"), 2)  # a 0-d tensor has no batch dimension
+    assert str(info.value) == ("the batch has no tensor to split along dim 0; pass at least "
+                               "one tensor with a batch dimension (wrap shared ones in NoChunk)")
+    with pytest.raises(ValueError) as info:
+        split(torch.zeros(4, 2), 0)
+    assert str(info.value) == "chunks must be >= 1, got 0"
