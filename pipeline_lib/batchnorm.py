@@ -77,10 +77,12 @@ class DeferredBatchNorm(_BatchNorm):
         unbiased_var = self.seen_m2 / (self.seen_rows - 1)
         self.running_mean.lerp_(self.seen_mean, factor)
         self.running_var.lerp_(unbiased_var, factor)
-        self._forget()
+        self.forget_partial_batch()
 
-    def _forget(self) -> None:
-        """Start a new mini-batch: drop what was accumulated so far."""
+    def forget_partial_batch(self) -> None:
+        """Drop the micro-batches seen so far this mini-batch. A `Pipe` step that fails
+        half-way calls it: otherwise the next step's first micro-batches would complete
+        the failed one's, and every later commit would fall at the wrong boundary."""
         self.seen_mean.zero_()
         self.seen_m2.zero_()
         self.seen_rows = self.seen_microbatches = 0
@@ -97,7 +99,7 @@ class DeferredBatchNorm(_BatchNorm):
         number. What it had accumulated of an unfinished mini-batch is dropped."""
         if isinstance(module, cls):
             module.chunks = chunks
-            module._forget()
+            module.forget_partial_batch()
             return module
         if isinstance(module, _BatchNorm) and module.track_running_stats:
             if isinstance(module, nn.modules.lazy.LazyModuleMixin) \

@@ -8,6 +8,10 @@ says which micro-batches are checkpointed:
 * ``except_last``: all but the last one, whose backward comes first in GPipe, so
   recomputing it would buy no memory (torchgpipe's default);
 * ``never``: none.
+
+The mechanism is `stage.StageRunner`'s, the only one: a checkpointed micro-batch's
+forward runs under ``torch.no_grad()`` and its backward first replays it. Both
+executors' steps and the classic ``pipe(x)`` run stages through it.
 """
 from __future__ import annotations
 

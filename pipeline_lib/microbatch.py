@@ -1,8 +1,9 @@
 """Splitting a mini-batch into micro-batches and gathering the results.
 
-A batch is a tensor or a tuple of values. Tensors are split along dim 0 (the batch
-dimension); anything else, and tensors wrapped in `NoChunk`, is handed unchanged to every
-micro-batch (a mask shared by all rows, a flag).
+A batch is a tensor or a tree of values: tuples, lists and dicts, nested (`tree`). Every
+tensor leaf with a batch dimension is split along dim 0, and they must agree on its size;
+a tensor wrapped in `NoChunk`, and any other leaf (a 0-dim tensor, None, a flag, a
+string), is handed unchanged to every micro-batch (a mask shared by all rows).
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any, Sequence
 
 import torch
 from torch import Tensor
+
+from pipeline_lib import tree
 
 
 @dataclass(frozen=True)
@@ -24,20 +27,38 @@ class NoChunk:
             raise TypeError(f"NoChunk wraps a tensor, got {type(self.tensor).__name__}")
 
 
-def _rows(batch: Any) -> int:
-    values = batch if isinstance(batch, tuple) else (batch,)
-    sizes = {v.size(0) for v in values if isinstance(v, Tensor) and v.dim() > 0}
+def _kinds(batch: Any) -> str:
+    """What a batch holds, for errors: ``dict of (str, int)``."""
+    names = sorted({type(leaf).__name__ for leaf in tree.leaves(batch)})
+    return f"{type(batch).__name__} of ({', '.join(names)})"
+
+
+def rows(batch: Any) -> int:
+    """The batch size: dim 0 of the tensors that are split."""
+    sizes = {t.size(0) for t in tree.tensors(batch) if t.dim() > 0}
     if not sizes:
-        raise TypeError("the batch has no tensor to split along dim 0; pass at least one "
-                        "tensor with a batch dimension (wrap shared ones in NoChunk)")
+        raise TypeError(f"the batch has no tensor to split along dim 0 (got {_kinds(batch)}); "
+                        f"pass a tensor, or a tuple, list or dict holding at least one tensor "
+                        f"with a batch dimension (torch.tensor(...) turns a list of numbers "
+                        f"into one; wrap tensors shared by all rows in NoChunk)")
     if len(sizes) > 1:
         raise ValueError(f"tensors in the batch disagree on the batch size (dim 0): "
                          f"{sorted(sizes)}; wrap tensors that must not be split in NoChunk")
     return sizes.pop()
 
 
+def check_rows(inputs: Any, target: Any) -> None:
+    """A step pairs row k of the inputs with row k of the target, so both need as many."""
+    have, want = rows(inputs), rows(target)
+    if have != want:
+        raise ValueError(f"the inputs have {have} rows (dim 0) but the target has {want}; "
+                         f"row k of the target is the target of row k of the inputs, so give "
+                         f"both the same batch size")
+
+
 def split(batch: Any, chunks: int) -> list[Any]:
-    """Split into ``chunks`` micro-batches of as equal sizes as possible.
+    """Split into ``chunks`` micro-batches of as equal sizes as possible, each with the
+    batch's structure.
 
     Uneven splits are allowed (10 rows in 4 chunks: 3, 3, 2, 2), but every micro-batch
     gets at least one row: a batch with fewer rows than ``chunks`` is an error, since an
@@ -45,41 +66,81 @@ def split(batch: Any, chunks: int) -> list[Any]:
     """
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
-    rows = _rows(batch)
-    if rows < chunks:
-        raise ValueError(f"a batch of {rows} rows cannot be split into {chunks} "
-                         f"micro-batches; use chunks <= {rows} or a larger batch")
-    values = batch if isinstance(batch, tuple) else (batch,)
-    parts = []
-    for v in values:
-        if isinstance(v, NoChunk):
-            parts.append([v.tensor] * chunks)
-        elif isinstance(v, Tensor) and v.dim() > 0:
-            parts.append(list(torch.tensor_split(v, chunks)))
+    size = rows(batch)
+    if size < chunks:
+        raise ValueError(f"a batch of {size} rows cannot be split into {chunks} "
+                         f"micro-batches; use chunks <= {size} or a larger batch")
+    columns = []
+    for leaf in tree.leaves(batch):
+        if isinstance(leaf, NoChunk):
+            columns.append([leaf.tensor] * chunks)
+        elif isinstance(leaf, Tensor) and leaf.dim() > 0:
+            columns.append(list(torch.tensor_split(leaf, chunks)))
         else:
-            parts.append([v] * chunks)
-    micro = list(zip(*parts))
-    return [m if isinstance(batch, tuple) else m[0] for m in micro]
+            columns.append([leaf] * chunks)
+    return [tree.unflatten([column[k] for column in columns], batch) for k in range(chunks)]
 
 
 def gather(outputs: Sequence[Any]) -> Any:
-    """Concatenate micro-batch outputs along dim 0 (tensor-wise for tuples)."""
+    """Join micro-batch outputs into the batch's: each tensor leaf concatenated along
+    dim 0, in the outputs' common structure.
+
+    Only what has a well-defined join is accepted. A 0-dim tensor or a number is a value
+    for a whole micro-batch (a mean, a sum, a count): whether the batch's value is their
+    mean, their sum or something else cannot be told from the values, so it is refused.
+    Other leaves (None, a flag, a string) must be the same in every micro-batch.
+    """
     first = outputs[0]
-    if isinstance(first, tuple):
-        return tuple(gather([o[k] for o in outputs]) for k in range(len(first)))
-    if isinstance(first, Tensor) and first.dim() > 0:
-        return torch.cat(list(outputs))
+    for k, out in enumerate(outputs):
+        if not tree.same_structure(first, out):
+            raise ValueError(f"the outputs of micro-batches 0 and {k} are structured "
+                             f"differently ({_kinds(first)} vs {_kinds(out)}); a stage must "
+                             f"return the same containers for every micro-batch")
+    columns = zip(*(tree.leaves(out) for out in outputs))
+    return tree.unflatten([_join(list(column)) for column in columns], first)
+
+
+_PER_ROW = ("return one value per row instead (e.g. a loss with reduction='none') and "
+            "reduce after pipe(x), or train with pipe.step(inputs, target, loss_fn), which "
+            "weights each micro-batch's loss correctly")
+
+
+def _join(values: list[Any]) -> Any:
+    first = values[0]
+    if isinstance(first, Tensor):
+        others = [type(v).__name__ for v in values if not isinstance(v, Tensor)]
+        if others:
+            raise ValueError(f"the last stage returned a tensor for micro-batch 0 but a "
+                             f"{others[0]} for another, in the same place")
+        if any(v.dim() == 0 for v in values):
+            raise ValueError(f"pipe(x) joins the micro-batches' outputs along dim 0, but the "
+                             f"last stage returned a 0-dim tensor: one value for a whole "
+                             f"micro-batch (a mean, a sum?), whose batch value cannot be "
+                             f"told from the micro-batches' values; {_PER_ROW}")
+        return torch.cat(values)
+    if isinstance(first, (int, float, complex)) and not isinstance(first, bool):
+        raise ValueError(f"the last stage returned a Python {type(first).__name__} "
+                         f"({first!r} for micro-batch 0): pipe(x) cannot tell whether it is "
+                         f"a count, a sum or a mean, so it cannot join the micro-batches' "
+                         f"values; {_PER_ROW}")
+    differs = [v for v in values if isinstance(v, Tensor) or v != first]
+    if differs:
+        odd = differs[0]
+        raise ValueError(f"the last stage returned {first!r} for micro-batch 0 but {odd!r} "
+                         f"for another; only tensors are joined across micro-batches, and "
+                         f"other values must be the same in every one")
     return first
 
 
 def loss_weights(microbatches: Sequence[Any]) -> list[float]:
-    """The loss-scaling rule, in one place.
+    """The loss-scaling rule for a mean-reduced loss, in one place.
 
     A mean-reduced loss over the whole batch equals the sum over micro-batches of each
     micro-batch's mean loss times its share of the rows: L = Σ_i (b_i / B) · L_i. Every
     executor multiplies micro-batch i's loss by b_i / B before its backward, so the
     accumulated gradients equal those of the unsplit batch, even for uneven splits.
+    (A loss averaging over tokens rather than rows returns a sum and a count: see `loss`.)
     """
-    rows = [_rows(m) for m in microbatches]
-    total = sum(rows)
-    return [r / total for r in rows]
+    sizes = [rows(m) for m in microbatches]
+    total = sum(sizes)
+    return [r / total for r in sizes]

@@ -1,10 +1,20 @@
 """What one stage does for each action, independent of how activations travel.
 
 Both executors (threads in one process, one process per rank) drive a `StageRunner` per
-stage and only differ in how they move its inputs and outputs. A stage's input arrives
-detached from the previous stage's graph, as a leaf that requires grad: its ``.grad``
-after the backward is exactly what the previous stage needs. The stage graphs are thus
-separate and each backward is an explicit call, which is what lets a schedule order them.
+stage and only differ in how they move its inputs and outputs; the classic ``pipe(x)``
+drives the same runners, wired into autograd. A stage's input arrives detached from the
+previous stage's graph, as a leaf that requires grad: its ``.grad`` after the backward is
+exactly what the previous stage needs. The stage graphs are thus separate and each
+backward is an explicit call, which is what lets a schedule order them.
+
+Inputs, outputs and gradients may be trees (tuples, lists, dicts of tensors, see `tree`);
+a gradient has the structure of the activation it belongs to, None where a leaf needs no
+gradient (an integer tensor, a flag, an input the stage did not use).
+
+Activation checkpointing happens here, and only here: a checkpointed micro-batch's
+forward runs under ``torch.no_grad()`` keeping only its input, and the backward first
+replays the forward with autograd on (`pipeline_lib.checkpoint` has the policy and the
+flags that layers read).
 """
 from __future__ import annotations
 
@@ -13,50 +23,67 @@ from typing import Any, Callable, ContextManager, Mapping
 import torch
 from torch import Tensor, nn
 
+from pipeline_lib import tree
 from pipeline_lib.checkpoint import checkpointed, checkpointing, recomputing
+from pipeline_lib.devices import transfer
+from pipeline_lib.loss import MicroLoss, micro_loss
 from pipeline_lib.rng import microbatch_rng, seed_for
 from pipeline_lib.skip import SkipKey, SkipTracker, describe, use_tracker
 
-LossFn = Callable[[Any, Any], Tensor]
+LossFn = Callable[[Any, Any], Any]   # -> a mean-reduced loss, or (loss_sum, count)
 # (seed, device) -> the block in which a micro-batch draws its random numbers
 RandomStream = Callable[[int, torch.device], ContextManager[None]]
 
 
-def flatten(value: Any) -> list[Tensor]:
-    """The tensors of an activation (a tensor or a tuple), in order."""
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [v for v in value if isinstance(v, Tensor)]
-    return []
+def to_device(value: Any, device: torch.device) -> Any:
+    """Move every tensor of ``value`` (a tree) to ``device`` (`devices.transfer`)."""
+    return tree.map_tensors(lambda t: transfer(t, device), value)
 
 
 def detach_as_leaf(value: Any) -> Any:
     """Cut the graph at a stage boundary; floating tensors become leaves needing grad."""
-    if isinstance(value, Tensor):
-        return value.detach().requires_grad_(value.is_floating_point())
-    if isinstance(value, tuple):
-        return tuple(detach_as_leaf(v) for v in value)
-    return value
+    return tree.map_tensors(lambda t: t.detach().requires_grad_(t.is_floating_point()), value)
 
 
 def detach(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach()
-    if isinstance(value, tuple):
-        return tuple(detach(v) for v in value)
-    return value
+    return tree.map_tensors(Tensor.detach, value)
+
+
+class _Alias(torch.autograd.Function):
+    """The same tensor (no copy) as an autograd node's output rather than a leaf, so that
+    an in-place first layer (``nn.ReLU(inplace=True)``) may modify it: autograd forbids
+    modifying a leaf that requires grad, or a view of one, in place."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad
+
+
+def _owned(value: Any, copy: bool) -> Any:
+    """What the stage module is handed: its input as non-leaf aliases, or as copies for
+    the first run of a checkpointed micro-batch, whose input must reach the replay as it
+    was even if the first layer works in place."""
+    if copy:
+        return tree.map_tensors(torch.clone, value)
+    return tree.map_tensors(lambda t: _Alias.apply(t) if t.requires_grad else t, value)
 
 
 class StageRunner:
     """Forward and backward of one stage, one micro-batch at a time.
 
     ``loss_fn`` and ``loss_weights`` are given to the last stage only: it turns its
-    output into micro-batch i's share of the batch loss, ``loss_fn(out, target) * w_i``
-    (see `microbatch.loss_weights`).
+    output into micro-batch i's share of the batch loss: ``loss_fn(out, target) * w_i``
+    for a mean-reduced loss (see `microbatch.loss_weights`), or the ``loss_sum`` of a
+    ``(loss_sum, count)`` pair, unscaled (see `pipeline_lib.loss`). ``losses[i]`` keeps
+    ``(that value, count or None)``, detached.
 
     ``rng`` gives each micro-batch its random stream (`rng.microbatch_rng`, or
-    `rng.owned_rng` where one thread runs every stage of the process).
+    `rng.owned_rng` where one thread runs every stage of the process). ``first``: the
+    input comes from the caller (not from another stage) and is used as it is.
 
     Skip connections (see `skip`) travel beside the activations: ``forward(..., skips=)``
     takes the tensors this stage pops that earlier stages stashed, and `take_stashed`
@@ -81,41 +108,42 @@ class StageRunner:
         self.skips_out: dict[int, dict[SkipKey, Tensor]] = {}    # stashed here, to send
         self.skip_grads_out: dict[int, dict[SkipKey, Tensor | None]] = {}
         self.pending_weight: dict[int, tuple[list[Tensor], list[Tensor | None]]] = {}
-        self.losses: dict[int, Tensor] = {}
+        self.losses: dict[int, MicroLoss] = {}
 
     @property
     def last(self) -> bool:
         return self.loss_fn is not None
 
-    def _run(self, microbatch: int, inputs: Any) -> tuple[Any, dict[SkipKey, Tensor]]:
-        """The stage's output and the tensors it stashed for later stages."""
+    def _run(self, microbatch: int, copy: bool) -> tuple[Any, dict[SkipKey, Tensor]]:
+        """The stage's output (its weighted loss on the last stage) and the tensors it
+        stashed for later stages."""
         tracker = SkipTracker(self.skips_in[microbatch])
         with (self.rng(seed_for(self.step_seed, self.stage, microbatch), self.device),
               use_tracker(tracker)):
-            out = self.module(inputs)
+            out = self.module(_owned(self.inputs[microbatch], copy))
             if self.last:
-                loss = self.loss_fn(out, self.targets[microbatch])
-                out = loss * self.loss_weights[microbatch]
+                loss, count = micro_loss(self.loss_fn(out, self.targets[microbatch]),
+                                         microbatch, need_grad=torch.is_grad_enabled())
+                out = loss * self.loss_weights[microbatch] if count is None else loss
+                self.losses.setdefault(microbatch, (out.detach(), count))   # not a replay's
         return out, tracker.stashed
 
     def forward(self, microbatch: int, inputs: Any, target: Any = None,
                 skips: Mapping[SkipKey, Tensor] | None = None) -> Any:
         """Run the forward; return what goes to the next stage (the weighted loss on the
         last stage), detached."""
-        inputs = inputs if self.first else detach_as_leaf(inputs)
-        self.inputs[microbatch] = inputs
+        self.inputs[microbatch] = inputs if self.first else detach_as_leaf(inputs)
         self.skips_in[microbatch] = {key: detach_as_leaf(t) for key, t in (skips or {}).items()}
         if self.last:
             self.targets[microbatch] = target
-        if checkpointed(self.checkpoint, microbatch, self.microbatches):
+        if torch.is_grad_enabled() and checkpointed(self.checkpoint, microbatch,
+                                                    self.microbatches):
             with torch.no_grad(), checkpointing():
-                out, stashed = self._run(microbatch, inputs)
+                out, stashed = self._run(microbatch, copy=True)
         else:
-            out, stashed = self.outputs[microbatch] = self._run(microbatch, inputs)
+            out, stashed = self.outputs[microbatch] = self._run(microbatch, copy=False)
         if stashed:
-            self.skips_out[microbatch] = {key: t.detach() for key, t in stashed.items()}
-        if self.last:
-            self.losses[microbatch] = out.detach()
+            self.skips_out[microbatch] = {key: detach(t) for key, t in stashed.items()}
         return detach(out)
 
     def take_stashed(self, microbatch: int) -> dict[SkipKey, Tensor]:
@@ -129,9 +157,13 @@ class StageRunner:
 
     def _graph(self, microbatch: int) -> tuple[Any, dict[SkipKey, Tensor]]:
         """The forward graph of a micro-batch, recomputed if it was checkpointed."""
+        if microbatch not in self.inputs:
+            raise RuntimeError(f"stage {self.stage}: the backward of micro-batch "
+                               f"{microbatch} ran twice, or without its forward (a graph "
+                               f"from pipe(x) can be backpropagated once: no retain_graph)")
         if microbatch not in self.outputs:
             with recomputing():
-                return self._run(microbatch, self.inputs[microbatch])
+                return self._run(microbatch, copy=False)
         return self.outputs.pop(microbatch)
 
     def _pairs(self, microbatch: int, grad: Any,
@@ -140,14 +172,17 @@ class StageRunner:
         """The tensors to differentiate and their gradients: the stage's outputs, and the
         tensors it stashed (their gradients come from the stages that popped them)."""
         out, stashed = self._graph(microbatch)
-        outputs = flatten(out)
-        grads = [None] * len(outputs) if self.last else flatten(grad)
+        outputs = tree.leaves(out)
+        grads = [None] if self.last else tree.leaves(grad)
         if len(grads) != len(outputs):
-            raise RuntimeError(f"stage {self.stage}: got {len(grads)} gradients for "
-                               f"{len(outputs)} output tensors of micro-batch {microbatch}")
-        pairs = [(t, g) for t, g in zip(outputs, grads) if t.requires_grad]
+            raise RuntimeError(f"stage {self.stage}: got {len(grads)} gradients for the "
+                               f"{len(outputs)} leaves of micro-batch {microbatch}'s output")
+        pairs = [(t, g) for t, g in zip(outputs, grads) if isinstance(t, Tensor)
+                 and t.requires_grad and (g is not None or self.last)]
         skip_grads = skip_grads or {}
         for key, t in stashed.items():
+            if not isinstance(t, Tensor):   # stash(name, None)
+                continue
             if t.requires_grad and key not in skip_grads:
                 raise RuntimeError(f"stage {self.stage}: micro-batch {microbatch} stashed "
                                    f"{describe(key)} but its gradient was not given; pass "
@@ -158,11 +193,13 @@ class StageRunner:
         return [t for t, _ in pairs], [g for _, g in pairs]
 
     def _skip_leaves(self, microbatch: int) -> dict[SkipKey, Tensor]:
-        return {key: t for key, t in self.skips_in[microbatch].items() if t.requires_grad}
+        return {key: t for key, t in self.skips_in[microbatch].items()
+                if isinstance(t, Tensor) and t.requires_grad}
 
     def _input_grads(self, microbatch: int, grads: list[Tensor | None],
                      skip_grads: dict[SkipKey, Tensor | None]) -> Any:
-        """Gradients for the previous stage, shaped like the input (zeros if unused)."""
+        """Gradients for the previous stage, shaped like the input: None where a leaf
+        needs none or got none (an input the stage did not use)."""
         inputs = self.inputs.pop(microbatch)
         self.targets.pop(microbatch, None)
         popped = self.skips_in.pop(microbatch)
@@ -171,16 +208,11 @@ class StageRunner:
         if self.first:
             return None
         it = iter(grads)
-
-        def fill(v: Any) -> Any:
-            if isinstance(v, Tensor) and v.requires_grad:
-                g = next(it)
-                return torch.zeros_like(v) if g is None else g
-            return None
-        return fill(inputs) if isinstance(inputs, Tensor) else tuple(fill(v) for v in inputs)
+        return tree.map_leaves(
+            lambda v: next(it) if isinstance(v, Tensor) and v.requires_grad else None, inputs)
 
     def _leaves(self, microbatch: int) -> list[Tensor]:
-        return [] if self.first else [t for t in flatten(self.inputs[microbatch])
+        return [] if self.first else [t for t in tree.tensors(self.inputs[microbatch])
                                       if t.requires_grad]
 
     def backward(self, microbatch: int, grad: Any = None,

@@ -123,3 +123,44 @@ def test_conversion_keeps_parameters_state_and_eval_behaviour():
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), plain(x))
     assert not torch.equal(model[1].weight, make_model()[1].weight)
+
+
+class FailOnCall(nn.Module):
+    def __init__(self, call: int):
+        super().__init__()
+        self.call, self.calls = call, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.call:
+            raise RuntimeError("injected failure")
+        return x
+
+
+def as_plain(bn: DeferredBatchNorm) -> nn.BatchNorm1d:
+    """A plain BatchNorm in ``bn``'s current state."""
+    plain = nn.BatchNorm1d(bn.num_features, momentum=bn.momentum)
+    plain.load_state_dict(bn.state_dict())
+    return plain
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_a_failed_step_does_not_shift_the_next_steps_commits(checkpoint):
+    """The old code kept the failed step's micro-batches: the next step committed after
+    its first few micro-batches, and every later commit fell at the wrong boundary."""
+    x, y = data()
+    model = nn.Sequential(*make_model(), FailOnCall(2))   # fails on micro-batch 1
+    pipe = Pipe(model, chunks=4, checkpoint=checkpoint, balance=[3, 5],
+                deferred_batch_norm=True)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        pipe.step(x, y, nn.CrossEntropyLoss(), schedule="gpipe")
+    plain = {k: as_plain(model[k]) for k in (1, 4)}   # where the failed step left them
+    seen = record_inputs(model)
+    for _ in range(2):
+        pipe.step(x, y, nn.CrossEntropyLoss(), schedule="gpipe")
+    for k, inputs in seen.items():
+        for chunk in torch.chunk(torch.cat(inputs).detach(), 2):
+            plain[k](chunk)
+        torch.testing.assert_close(model[k].running_mean, plain[k].running_mean)
+        torch.testing.assert_close(model[k].running_var, plain[k].running_var)
+        assert model[k].num_batches_tracked.item() == plain[k].num_batches_tracked.item()

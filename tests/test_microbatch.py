@@ -39,9 +39,49 @@ def test_inconsistent_batch_sizes_and_missing_tensors():
 
 
 def test_loss_weights_rebuild_the_batch_mean_for_uneven_splits():
-    x = torch.randn(10)
+    x = torch.randn(10, generator=torch.Generator().manual_seed(0)) + 1   # mean far from 0
     parts = split(x, 4)  # 3, 3, 2, 2 rows
     weights = loss_weights(parts)
     assert sum(weights) == pytest.approx(1.0)
     rebuilt = sum(w * p.mean() for w, p in zip(weights, parts))
     assert rebuilt == pytest.approx(x.mean().item(), rel=1e-6)
+
+
+def test_trees_are_split_leaf_by_leaf_and_gathered_back():
+    x, ids, mask = torch.randn(6, 2), torch.arange(6), torch.ones(3, 3)
+    batch = {"x": x, "more": [ids, (NoChunk(mask), None, 0.5)]}
+    parts = split(batch, 3)
+    assert [p["x"].size(0) for p in parts] == [2, 2, 2]
+    assert all(p["more"][1][0] is mask and p["more"][1][1:] == (None, 0.5) for p in parts)
+    assert isinstance(parts[0]["more"], list) and isinstance(parts[0]["more"][1], tuple)
+    gathered = gather([{"x": p["x"], "more": [p["more"][0], None]} for p in parts])
+    assert torch.equal(gathered["x"], x) and torch.equal(gathered["more"][0], ids)
+    assert gathered["more"][1] is None
+
+
+def test_gather_refuses_what_has_no_well_defined_join():
+    """A per-micro-batch scalar (a mean, a count) cannot be joined into the batch's value;
+    the old code silently returned micro-batch 0's."""
+    parts = split(torch.randn(6, 2), 3)
+    with pytest.raises(ValueError, match="0-dim tensor: one value for a whole micro-batch"):
+        gather([p.pow(2).mean() for p in parts])
+    with pytest.raises(ValueError, match="Python int .* cannot tell whether it is a count"):
+        gather([(p, p.size(0)) for p in parts])
+    with pytest.raises(ValueError, match="'a' for micro-batch 0 but 'b' for another"):
+        gather([(parts[0], "a"), (parts[1], "b")])
+    with pytest.raises(ValueError, match="structured differently"):
+        gather([{"a": parts[0]}, {"b": parts[1]}])
+    assert gather([(p, True) for p in parts])[1] is True
+
+
+def test_a_batch_without_a_tensor_names_what_it_got():
+    with pytest.raises(TypeError, match=r"no tensor to split along dim 0 \(got list of "
+                                        r"\(int\)\).*torch.tensor"):
+        split([0, 1, 2], 2)
+
+
+def test_inputs_and_target_rows_must_match():
+    from pipeline_lib.microbatch import check_rows
+    with pytest.raises(ValueError, match="the inputs have 8 rows .* but the target has 4"):
+        check_rows({"x": torch.zeros(8, 2)}, torch.zeros(4))
+    check_rows((torch.zeros(8, 2), NoChunk(torch.zeros(3))), [torch.zeros(8)])

@@ -8,6 +8,7 @@ from torch import nn
 from pipeline_lib import Pipe, is_checkpointing, is_recomputing, simulate
 from pipeline_lib.schedules import dependencies, gpipe, splits_backward
 from conftest import assert_same_grads
+from workloads import tree_batch, tree_model
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
 CHECKPOINTS = ["always", "except_last", "never"]
@@ -257,3 +258,187 @@ def test_measured_timeline_matches_simulated_shape(schedule, stages, chunks):
             assert e.start >= end[d]
     assert measured.bubble_fraction() == pytest.approx(simulated.bubble_fraction(), abs=0.08)
     assert measured.makespan == pytest.approx(simulated.makespan, rel=0.25)
+
+
+# -- trees between stages -----------------------------------------------------------------
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_trees_between_stages_match_the_unpipelined_model(schedule, checkpoint):
+    """The old code detached only tuples: dict activations stayed connected to the
+    previous stage (doubled stage-0 gradients), lists lost their gradients."""
+    inputs, y = tree_batch()
+    reference = tree_model()
+    expected = nn.functional.cross_entropy(reference(inputs), y)
+    expected.backward()
+
+    model = tree_model()
+    pipe = Pipe(model, chunks=4, checkpoint=checkpoint, balance=[1, 1, 1, 1])
+    loss = pipe.step(inputs, y, nn.CrossEntropyLoss(), schedule)
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads(model, reference)
+
+    model.zero_grad()
+    nn.functional.cross_entropy(pipe(inputs), y).backward()
+    assert_same_grads(model, reference)
+
+
+# -- in-place first layers ----------------------------------------------------------------
+
+class Double(nn.Module):
+    """In place and not idempotent: a replay that saw its own first run's output would
+    double twice."""
+
+    def forward(self, x):
+        return x.mul_(2)
+
+
+def inplace_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 6), nn.ReLU(inplace=True), nn.Linear(6, 6), Double(),
+                         nn.Linear(6, 6), nn.ReLU(inplace=True), nn.Linear(6, 3))
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_inplace_first_layers_where_balance_by_params_puts_them(schedule, checkpoint):
+    """A stage's input is a leaf that requires grad; the old code crashed on a first
+    layer working in place, which is where balance_by_params' tie-break puts them."""
+    from pipeline_lib.partition import balance_by_params
+    balance = balance_by_params(inplace_model(), 4)
+    assert balance == [1, 2, 2, 2]   # stages 1, 2 and 3 start in place
+    x, y = data(12)
+    reference = inplace_model()
+    expected = nn.functional.cross_entropy(reference(x.clone()), y)
+    expected.backward()
+
+    model = inplace_model()
+    pipe = Pipe(model, chunks=4, checkpoint=checkpoint, balance=balance)
+    loss = pipe.step(x, y, nn.CrossEntropyLoss(), schedule)
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same_grads(model, reference)
+
+    model.zero_grad()
+    out = pipe(x)
+    torch.testing.assert_close(out, reference(x.clone()))
+    nn.functional.cross_entropy(out, y).backward()
+    assert_same_grads(model, reference)
+
+
+# -- what a step refuses -------------------------------------------------------------------
+
+def test_a_step_without_autograd_or_gradients_is_refused_and_leaves_grads_alone():
+    """The old code silently computed no gradient in each of these cases."""
+    x, y = data(8)
+    model = make_model()
+    pipe = Pipe(model, chunks=2, balance=[4, 5], checkpoint="never")
+    loss_fn = nn.functional.cross_entropy
+    for block in (torch.no_grad, torch.inference_mode):
+        with block(), pytest.raises(RuntimeError, match="called with autograd off"):
+            pipe.step(x, y, loss_fn)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        pipe.step(x, y, lambda out, t: loss_fn(out, t).detach())
+    with pytest.raises(TypeError, match="returned a float .* carries no gradient"):
+        pipe.step(x, y, lambda out, t: loss_fn(out, t).item())
+    with pytest.raises(ValueError, match=r"a loss of shape \[4\]; return a scalar"):
+        pipe.step(x, y, lambda out, t: loss_fn(out, t, reduction="none"))
+    checkpointed = Pipe(model, chunks=2, balance=[4, 5], checkpoint="always")
+    with pytest.raises(RuntimeError, match="does not require grad"):   # found at the replay
+        checkpointed.step(x, y, lambda out, t: loss_fn(out, t).detach())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_bad_batches_and_schedules_get_clear_errors():
+    x, y = data(8)
+    pipe = Pipe(make_model(), chunks=2, balance=[4, 5])
+    with pytest.raises(ValueError, match="the inputs have 8 rows .* but the target has 4"):
+        pipe.step(x, y[:4], nn.CrossEntropyLoss())
+    with pytest.raises(TypeError, match=r"schedule must be the name of one \(1f1b, gpipe"):
+        pipe.step(x, y, nn.CrossEntropyLoss(), schedule=None)
+    with pytest.raises(TypeError, match=r"no tensor to split .*got list of \(int\)"):
+        pipe.step(x, y.tolist(), nn.CrossEntropyLoss())
+    with pytest.raises(ValueError, match="0-dim tensor"):
+        Pipe(nn.Sequential(nn.Linear(6, 6), Mean()), chunks=2)(x)
+
+
+class Mean(nn.Module):
+    def forward(self, x):
+        return x.pow(2).mean()
+
+
+# -- interrupted steps ---------------------------------------------------------------------
+
+def sleepy_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 6), SleepLayer(0.05, 0.05), nn.Linear(6, 6),
+                         SleepLayer(0.05, 0.05), nn.Linear(6, 3))
+
+
+def stage_threads() -> list:
+    import threading
+    return [t for t in threading.enumerate()
+            if t.name.startswith("pipeline-rank") and t.is_alive()]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["step", "forward"])
+def test_an_interrupted_run_stops_every_stage_thread_and_the_next_is_exact(call):
+    """Ctrl-C in a notebook: the old code left the stage threads running, adding their
+    gradients to the next step's."""
+    import signal
+    import threading
+
+    x, y = data(8)
+    reference = sleepy_model()
+    nn.functional.cross_entropy(reference(x), y).backward()
+    model = sleepy_model()
+    pipe = Pipe(model, chunks=4, checkpoint="except_last", balance=[2, 2, 1])
+
+    def run():
+        if call == "step":
+            pipe.step(x, y, nn.CrossEntropyLoss())
+        else:
+            nn.functional.cross_entropy(pipe(x), y).backward()
+
+    # a step takes over 0.6 s of sleeping: the interrupt lands in the middle
+    timer = threading.Timer(0.15, signal.pthread_kill,
+                            (threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    timer.join()
+    assert stage_threads() == []
+    before = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    time.sleep(0.3)   # nothing may still be adding gradients
+    for p, g in zip(model.parameters(), before):
+        assert (p.grad is None and g is None) or torch.equal(p.grad, g)
+
+    model.zero_grad(set_to_none=True)
+    run()
+    assert_same_grads(model, reference)
+
+
+def test_a_failed_step_leaves_grads_as_they_were():
+    """The backward fails after the last stage's Linear has added its gradient."""
+    x, y = data(4)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6), Explode(1, in_backward=True),
+                          nn.Linear(6, 3))
+    grads = [torch.full_like(p, 0.5) for p in model.parameters()]
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.clone()
+    with pytest.raises(ValueError, match="boom"):
+        Pipe(model, chunks=4, checkpoint="never", balance=[1, 1, 2]).step(
+            x, y, nn.CrossEntropyLoss(), "1f1b")
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g)
+
+
+def test_input_gradients_reach_the_caller_through_pipe_x():
+    x, y = data(8)
+    reference, model = make_model(), make_model()
+    x_ref, x_pipe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    nn.functional.cross_entropy(reference(x_ref), y).backward()
+    out = Pipe(model, chunks=4, checkpoint="except_last", balance=[2, 3, 4])(x_pipe)
+    nn.functional.cross_entropy(out, y).backward()
+    torch.testing.assert_close(x_pipe.grad, x_ref.grad)
+    assert_same_grads(model, reference)

@@ -63,6 +63,23 @@ def test_boxes_carry_microbatch_numbers_and_interleaved_ones_their_stage():
         sorted(f"s{e.action.stage}" for e in timeline.events)
 
 
+def test_later_chunks_are_paler_also_with_replicas():
+    """A gathered run with dp = 2 replicas has 2 x pp rows; each row's second chunk is
+    paler than its first (it was shaded as the first when chunks were stage // rows)."""
+    one = simulate(interleaved_1f1b(2, 4, 2))
+    replica = [Event(e.rank + 2, e.action, e.start, e.end) for e in one.events]
+    both = Timeline(4, one.events + replica)
+    found = boxes(gantt(both, ax=axes(width=30)))
+    shade = {}
+    for e in both.events:
+        row = [b for b in found if b[0] == e.rank and b[1] == round(e.start, 9)]
+        shade[e.rank, e.action.stage] = row[0][3:6]
+    for row in range(4):
+        first, second = sorted(s for r, s in shade if r == row)
+        assert shade[row, first] != shade[row, second]
+        assert sum(shade[row, second]) > sum(shade[row, first])   # paler is lighter
+
+
 def test_labels_that_do_not_fit_are_left_out():
     timeline = simulate(one_f_one_b(4, 64))
     ax = gantt(timeline, ax=axes(width=3))

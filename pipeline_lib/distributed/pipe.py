@@ -3,7 +3,7 @@
 One process per pipeline rank. Rank ``r`` holds every stage ``s`` with ``s % pp == r``
 (``v`` of them for interleaved 1F1B) and runs ``schedule.actions[r]`` in order, driving a
 `StageRunner` per stage exactly as the threaded `Pipe.step` does: same loss scaling
-(`microbatch.loss_weights`), same dropout seeds per (stage, micro-batch). Only the way
+(`pipeline_lib.loss`), same dropout seeds per (stage, micro-batch). Only the way
 activations and gradients travel differs, and that is the lesson of this module.
 
 Every process runs the same script under torchrun (``torchrun --nproc_per_node 4 -m
@@ -70,7 +70,10 @@ weight gradients: its last B, or its last W for zero-bubble schedules, whose I c
 input gradients only and fires no DDP hook. That one backward then all-reduces, bucket by
 bucket, overlapped with the rest of it. DDP averages over replicas, so each replica scales
 its micro-batch losses by ``dp`` on top of the global-batch `loss_weights`: the average of
-the replicas' gradients is then exactly the gradient of the global batch's mean loss.
+the replicas' gradients is then exactly the gradient of the global batch's mean loss. A
+``loss_fn`` returning ``(loss_sum, count)`` pairs backpropagates sums instead, and at the
+end of the step every rank multiplies its gradients by dp / (the count of all replicas'
+micro-batches together), which one all-reduce gives every rank (`pipeline_lib.loss`).
 
 Timelines
 ---------
@@ -81,6 +84,7 @@ the simulator returns, so a run is drawn and its bubble compared with one functi
 from __future__ import annotations
 
 import contextlib
+import pickle
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -88,16 +92,17 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from pipeline_lib import tree
 from pipeline_lib.checkpoint import check_mode
-from pipeline_lib.devices import transfer
 from pipeline_lib.distributed.mesh import Mesh
-from pipeline_lib.microbatch import loss_weights, split
+from pipeline_lib.loss import StepGradients, check_count, check_grad_mode, total_count
+from pipeline_lib.microbatch import check_rows, loss_weights, split
 from pipeline_lib.partition import group_layers
 from pipeline_lib.distributed.p2p import Message, Transport, batch_key, describe
 from pipeline_lib.rng import new_step_seed, owned_rng, seed_for
 from pipeline_lib.schedules import Action, Schedule, plan
 from pipeline_lib.skip import skip_routes
-from pipeline_lib.stage import LossFn, StageRunner
+from pipeline_lib.stage import LossFn, StageRunner, to_device
 from pipeline_lib.timeline import Event, Timeline
 
 
@@ -155,10 +160,13 @@ class DistributedPipe:
         """Forward and backward of the global batch ``(inputs, target)`` (the same on every
         rank: each replica takes its slice, stage 0 reads the inputs, the last stage the
         targets). Gradients accumulate as in `Pipe.step`; returns the global batch's loss
-        on the ranks holding the last stage, None on the others."""
+        on the ranks holding the last stage, None on the others. Inputs, targets and the
+        activations between stages may be trees (see `microbatch.split`), and ``loss_fn``
+        may return a mean or a ``(loss_sum, count)`` pair (see `pipeline_lib.loss`)."""
+        check_grad_mode("DistributedPipe.step")
         schedule, mesh = self.schedule, self.mesh
         micro_in, micro_target, weights = self._split(inputs, target)
-        step_seed, key = self._step_seed_and_key(batch_key(inputs, target))
+        step_seed, key = self._step_seed_and_key(batch_key(*tree.leaves((inputs, target))))
         self.transport.start_step(key)
         last = schedule.stages - 1
         runners = {s: StageRunner(s, module, mesh.device, self.checkpoint,
@@ -167,6 +175,7 @@ class DistributedPipe:
                                   loss_weights=weights, first=s == 0, rng=owned_rng)
                    for s, module in self.modules.items()}
         self.events = []
+        grads = StepGradients(self.parameters())
         with contextlib.ExitStack() as no_sync:
             for module in self.modules.values():
                 if isinstance(module, DistributedDataParallel):
@@ -184,11 +193,14 @@ class DistributedPipe:
                     torch.cuda.current_stream().synchronize()
                 self.events.append(Event(mesh.rank, action, start, mesh.clock()))
         self.transport.finish_step()
-        return self._loss(runners.get(last))
+        loss, scale = self._loss(runners.get(last))
+        grads.commit(scale)
+        return loss
 
     def _split(self, inputs: Any, target: Any) -> tuple[list[Any], list[Any], list[float]]:
         """This replica's micro-batches and their loss weights (see the module docstring)."""
         dp, m, replica = self.mesh.dp, self.schedule.microbatches, self.mesh.replica
+        check_rows(inputs, target)
         try:
             replica_inputs, replica_targets = split(inputs, dp), split(target, dp)
         except ValueError as exc:
@@ -216,8 +228,9 @@ class DistributedPipe:
         s, i, last = action.stage, action.microbatch, self.schedule.stages - 1
         if action.kind == "F":
             if s == 0:
-                return transfer(micro_in[i], self.mesh.device)
-            return self.transport.receive(self.schedule.rank_of(s - 1), Message("activation", s, i))
+                return to_device(micro_in[i], self.mesh.device)
+            return _unpacked(self.transport.receive(self.schedule.rank_of(s - 1),
+                                                    Message("activation", s, i)))
         if action.kind in ("B", "I") and s < last:
             return self.transport.receive(self.schedule.rank_of(s + 1), Message("gradient", s, i))
         return None
@@ -228,7 +241,7 @@ class DistributedPipe:
         s, i, kind = action.stage, action.microbatch, action.kind
         rank_of, last = self.schedule.rank_of, self.schedule.stages - 1
         if kind == "F":
-            target = transfer(micro_target[i], self.mesh.device) if s == last else None
+            target = to_device(micro_target[i], self.mesh.device) if s == last else None
             try:
                 y = runner.forward(i, received, target)
             except Exception as exc:
@@ -237,7 +250,8 @@ class DistributedPipe:
                                  f"on pipe rank {rank_of(s - 1)}, was {describe(received)}")
                 raise
             if s < last:
-                self.transport.send(rank_of(s + 1), Message("activation", s + 1, i), y)
+                self.transport.send(rank_of(s + 1), Message("activation", s + 1, i),
+                                    _packed(y, self.mesh.device))
             return
         if self.sync_at.get(s) == action:   # this backward all-reduces the stage's gradients
             self.modules[s].reducer.prepare_for_backward([])
@@ -247,17 +261,42 @@ class DistributedPipe:
         backward = runner.backward if kind == "B" else runner.backward_input
         grad_in = backward(i, received)
         if s > 0:
-            self.transport.send(rank_of(s - 1), Message("gradient", s - 1, i), grad_in)
+            # as the tuple of its leaves: stage s - 1 made the activation, so it knows the
+            # structure (see `StageRunner`)
+            self.transport.send(rank_of(s - 1), Message("gradient", s - 1, i),
+                                tuple(tree.leaves(grad_in)))
 
-    def _loss(self, runner: StageRunner | None) -> Tensor | None:
+    def _loss(self, runner: StageRunner | None) -> tuple[Tensor | None, float]:
+        """The batch's loss on the ranks holding the last stage (None on the others), and
+        the factor every rank multiplies the gradients of the step by.
+
+        For mean losses the factor is 1: the weights did the scaling. For ``(loss_sum,
+        count)`` pairs only the last stage knows the counts, but every stage must divide
+        by their total over all micro-batches of all replicas: one all-reduce over every
+        rank gives it to all. The factor is dp / total, since DDP averaged the replicas'
+        sums."""
+        mesh, m = self.mesh, self.schedule.microbatches
+        losses = [runner.losses[i] for i in range(m)] if runner is not None else []
+        count = total_count(losses) if losses else None
+        agreed = torch.tensor([0.0 if count is None else count.item(), float(count is not None)],
+                              dtype=torch.float64, device=mesh.device)
+        dist.all_reduce(agreed)   # [total count, replicas whose loss_fn returned counts]
+        total, counted = agreed.tolist()
+        if counted not in (0, mesh.dp):
+            raise RuntimeError(f"loss_fn returned (loss_sum, count) pairs on {counted:g} of "
+                               f"the {mesh.dp} replicas and means on the others; return the "
+                               f"same kind everywhere")
+        if counted:
+            check_count(total)
+        scale = mesh.dp / total if counted else 1.0
         if runner is None:
-            return None
-        losses = runner.losses
-        loss = torch.stack([losses[i] for i in range(self.schedule.microbatches)]).sum()
-        if self.mesh.dp > 1:   # undo the dp scaling of the weights, sum over replicas
-            loss = loss / self.mesh.dp
-            dist.all_reduce(loss, group=self.mesh.dp_group)
-        return loss
+            return None, scale
+        loss = torch.stack([value for value, _ in losses]).sum()
+        if mesh.dp > 1:
+            if not counted:   # undo the dp scaling of the weights
+                loss = loss / mesh.dp
+            dist.all_reduce(loss, group=mesh.dp_group)   # sum over replicas
+        return (loss / total if counted else loss), scale
 
     # -- timelines -----------------------------------------------------------------------
 
@@ -286,3 +325,29 @@ def _check_same_everywhere(config: dict) -> None:
         raise ValueError("the ranks were given different pipelines: rank 0 has "
                          f"{configs[0]}; " + "; ".join(f"rank {r} has {configs[r]}"
                                                        for r in differ))
+
+
+class _Slot:
+    """Stands for a tensor in the skeleton of an activation sent to another process."""
+
+
+def _packed(activation: Any, device: torch.device) -> Any:
+    """What crosses a process boundary for an activation: a tensor as it is; any other
+    tree as its skeleton (the tree with a `_Slot` for each tensor, pickled into a uint8
+    tensor), then its tensors, so that the receiver rebuilds dicts, lists and non-tensor
+    leaves. Reading the skeleton back costs a device-to-host copy on GPUs."""
+    if isinstance(activation, Tensor):
+        return activation
+    skeleton = pickle.dumps(tree.map_tensors(lambda _: _Slot(), activation))
+    return (torch.tensor(list(skeleton), dtype=torch.uint8, device=device),
+            *tree.tensors(activation))
+
+
+def _unpacked(message: Any) -> Any:
+    """The activation `_packed` sent."""
+    if isinstance(message, Tensor):
+        return message
+    skeleton, *tensors = message
+    it = iter(tensors)
+    return tree.map_leaves(lambda leaf: next(it) if isinstance(leaf, _Slot) else leaf,
+                           pickle.loads(bytes(skeleton.tolist())))

@@ -73,8 +73,9 @@ class _Stage(nn.Sequential):
     positional arguments (the first one, the micro-batch's inputs).
 
     ``record``, when a list, receives the non-tensor values of each micro-batch's output
-    (tensors as None): `Pipe` sets it on the last stage, whose thread runs the forwards in
-    micro-batch order (a checkpoint's recomputation is not recorded again).
+    (tensors as None), which then leave the stage as None: `Pipe` sets it on the last
+    stage, whose thread runs the forwards in micro-batch order (a checkpoint's
+    recomputation is not recorded again).
     """
 
     record: list[tuple[Any, ...]] | None = None
@@ -83,8 +84,12 @@ class _Stage(nn.Sequential):
         for layer in self:
             inputs = layer(*inputs) if isinstance(inputs, (tuple, list)) else layer(inputs)
         output = _stage_output(inputs)
-        if self.record is not None and isinstance(output, tuple) and not is_recomputing():
-            self.record.append(tuple(None if isinstance(v, Tensor) else v for v in output))
+        if self.record is not None and isinstance(output, tuple):
+            # the non-tensors leave by the record; the executor joins only the tensors
+            if not is_recomputing():
+                self.record.append(tuple(None if isinstance(v, Tensor) else v
+                                         for v in output))
+            output = tuple(v if isinstance(v, Tensor) else None for v in output)
         return output
 
 

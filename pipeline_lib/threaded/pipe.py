@@ -9,18 +9,19 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from pipeline_lib import tree
 from pipeline_lib.batchnorm import DeferredBatchNorm
-from pipeline_lib.checkpoint import check_mode, checkpointed, checkpointing, recomputing
+from pipeline_lib.checkpoint import check_mode
 from pipeline_lib.devices import stage_devices, transfer
-from pipeline_lib.microbatch import gather, loss_weights, split
+from pipeline_lib.loss import StepGradients, check_count, check_grad_mode, total_count
+from pipeline_lib.microbatch import check_rows, gather, loss_weights, split
 from pipeline_lib.partition import group_layers
-from pipeline_lib.rng import microbatch_rng, new_step_seed, seed_for
-from pipeline_lib.schedules import Action, Schedule, plan
-from pipeline_lib.skip import SkipError, SkipKey, SkipTracker, describe, skip_routes, use_tracker
-from pipeline_lib.stage import LossFn, StageRunner
+from pipeline_lib.rng import new_step_seed
+from pipeline_lib.schedules import BUILDERS, Action, Schedule, plan
+from pipeline_lib.skip import SkipError, SkipKey, describe, skip_routes
+from pipeline_lib.stage import LossFn, StageRunner, to_device
 from pipeline_lib.threaded.threads import Mailbox, run_programs
 from pipeline_lib.timeline import Timeline
 
@@ -40,10 +41,12 @@ class Pipe(nn.Module):
     * ``devices``: one per stage (stages may share a device); by default, where each
       stage's parameters already are, or where a `WithDevice` layer in it says. Stages
       are moved to their devices.
-    * ``chunks``: micro-batches per mini-batch. Inputs are split along dim 0; wrap a
-      tensor in `NoChunk` to give it whole to every micro-batch (a shared mask).
-      ``checkpoint``: ``"always"``, ``"except_last"`` or ``"never"`` (see
-      `pipeline_lib.checkpoint`); in eval mode, nothing is checkpointed.
+    * ``chunks``: micro-batches per mini-batch. Inputs are a tensor or a tuple, list or
+      dict of them, nested; their tensors are split along dim 0; wrap a tensor in
+      `NoChunk` to give it whole to every micro-batch (a shared mask). Stages may pass
+      each other such trees too (see `microbatch`). ``checkpoint``: ``"always"``,
+      ``"except_last"`` or ``"never"`` (see `pipeline_lib.checkpoint`); in eval mode,
+      ``pipe(x)`` checkpoints nothing.
     * Skip connections: layers made with `skip.skippable` stash and pop tensors; each
       goes straight from the stashing stage's device to the popping stage's, and its
       gradient straight back. They are checked here: mismatches raise `SkipError`.
@@ -53,9 +56,11 @@ class Pipe(nn.Module):
       raises `TypeError`; a dtype conversion (``.double()``) is fine.
 
     ``pipe(x)`` is the classic API: a pipelined forward whose output is connected to
-    autograd, so ``criterion(pipe(x), y).backward()`` trains as usual; its backward is
-    autograd's own. ``pipe.step(x, y, loss_fn, schedule)`` runs forward and backward
-    under a schedule, one thread per device, and records ``pipe.timeline``.
+    autograd, so ``criterion(pipe(x), y).backward()`` trains as usual; autograd runs the
+    backward, calling each stage's. ``pipe.step(x, y, loss_fn, schedule)`` runs forward
+    and backward under a schedule, one thread per device, and records ``pipe.timeline``;
+    ``loss_fn`` returns a mean or a ``(loss_sum, count)`` pair (see `pipeline_lib.loss`).
+    Both leave no stage thread running when they fail or are interrupted.
     """
 
     def __init__(self, module: nn.Sequential, chunks: int = 1,
@@ -100,37 +105,6 @@ class Pipe(nn.Module):
                                 f"devices=[...] instead, or move the model before wrapping it")
         return super()._apply(fn, recurse)
 
-    # -- the classic API: pipelined forward, autograd backward ---------------------------
-
-    def _stage_forward(self, stage: int, microbatch: int, microbatches: int,
-                       step_seed: int, x: Any, skips: dict[SkipKey, Tensor]
-                       ) -> tuple[Any, dict[SkipKey, Tensor]]:
-        """The stage's output and the tensors it stashed for later stages, both connected
-        to autograd (a checkpointed stage's recomputation pops ``skips`` again and its
-        stashes are dropped: the first run's are the ones in the graph)."""
-        seed = seed_for(step_seed, stage, microbatch)
-        device = self.devices[stage]
-        trackers: list[SkipTracker] = []
-
-        def run(inputs: Any) -> Any:
-            trackers.append(SkipTracker(skips))
-            with microbatch_rng(seed, device), use_tracker(trackers[-1]):
-                return self.partitions[stage](inputs)
-
-        # In eval mode nothing is checkpointed (as in the classic API): evaluation rarely
-        # runs a backward, so a checkpoint would only add a forward.
-        if not (torch.is_grad_enabled() and _training(self.partitions[stage])
-                and checkpointed(self.checkpoint, microbatch, microbatches)):
-            return run(x), trackers[0].stashed
-
-        def run_checkpointed(inputs: Any) -> Any:
-            with (recomputing() if trackers else checkpointing()):
-                return run(inputs)
-
-        y = torch.utils.checkpoint.checkpoint(run_checkpointed, x, use_reentrant=False,
-                                              preserve_rng_state=False)
-        return y, trackers[0].stashed
-
     # -- skip connections: straight from the stashing stage to the popping stage ---------
 
     def _send_skips(self, mailbox: Mailbox, stage: int, microbatch: int,
@@ -162,10 +136,44 @@ class Pipe(nn.Module):
         return {route.key: mailbox.get(("skip-grad", route.key, microbatch))
                 for route in self.skip_routes if route.source == stage}
 
+    # -- running programs: no half-finished state survives a failure -------------------
+
+    def _run_programs(self, programs: list[list[Action]], devices: list[torch.device],
+                      receive, compute, mailbox: Mailbox, title: str) -> None:
+        """`run_programs`, recording ``self.timeline``. If it fails (a stage raised, or
+        the caller was interrupted), every stage thread has stopped when it returns, and
+        `DeferredBatchNorm` layers forget the mini-batch's micro-batches they have seen."""
+        try:
+            self.timeline = run_programs(programs, devices, receive, compute, mailbox, title)
+        except BaseException:
+            for layer in self.modules():
+                if isinstance(layer, DeferredBatchNorm):
+                    layer.forget_partial_batch()
+            raise
+
+    # -- the classic API: pipelined forward, autograd backward ---------------------------
+
     def forward(self, inputs: Any) -> Any:
+        """The pipelined forward of ``inputs`` (a tensor, or a tuple, list or dict of them:
+        see `microbatch.split`), connected to autograd.
+
+        Each stage runs in a `StageRunner`, as in `step`; `_StageFunction` makes each
+        (stage, micro-batch) forward a node of autograd's graph whose backward is the
+        runner's, so checkpointed stages are replayed by the same code. The micro-batches'
+        outputs are joined by `microbatch.gather`, which refuses what it cannot join
+        (a 0-dim tensor, a number): reduce after ``pipe(x)`` instead.
+        """
         micro = split(inputs, self.chunks)
         m, n = len(micro), len(self.partitions)
         step_seed = new_step_seed()
+        # the caller's tensors are used as they are unless it wants their gradients
+        wants_input_grads = any(t.requires_grad for t in tree.tensors(inputs))
+        # In eval mode nothing is checkpointed (as in the classic API): evaluation rarely
+        # runs a backward, so a checkpoint would only add a forward.
+        runners = [StageRunner(s, self.partitions[s], self.devices[s],
+                               self.checkpoint if _training(self.partitions[s]) else "never",
+                               m, step_seed, first=s == 0 and not wants_input_grads)
+                   for s in range(n)]
         outputs: dict[int, Any] = {}
         mailbox = Mailbox()
 
@@ -177,23 +185,25 @@ class Pipe(nn.Module):
         def compute(action: Action, received: tuple[Any, dict[SkipKey, Tensor]]) -> None:
             s, i = action.stage, action.microbatch
             x, skips = received
-            y, stashed = self._stage_forward(s, i, m, step_seed,
-                                             transfer(x, self.devices[s]), skips)
+            x = to_device(x, self.devices[s])
+            y, stashed = _StageFunction.run(runners[s], i, x, skips)
             self._send_skips(mailbox, s, i, stashed)
             if s == n - 1:
                 outputs[i] = y
             else:
-                mailbox.put((s + 1, i), transfer(y, self.devices[s + 1]))
+                mailbox.put((s + 1, i), to_device(y, self.devices[s + 1]))
 
         programs = [[Action(s, "F", i) for i in range(m)] for s in range(n)]
-        self.timeline = run_programs(programs, self.devices, receive, compute, mailbox,
-                                     "forward")
+        self._run_programs(programs, self.devices, receive, compute, mailbox, "forward")
         return gather([outputs[i] for i in range(m)])
 
     # -- scheduled training step ---------------------------------------------------------
 
     def _schedule(self, schedule: str | Schedule, microbatches: int) -> Schedule:
         n = len(self.partitions)
+        if not isinstance(schedule, (str, Schedule)):
+            raise TypeError(f"schedule must be the name of one ({', '.join(sorted(BUILDERS))})"
+                            f" or a Schedule, got {schedule!r}")
         if schedule == "interleaved_1f1b" and n % 2:
             raise ValueError(f"interleaved_1f1b puts 2 stages on each device, so it needs an "
                              f"even number of stages, not {n}")
@@ -213,14 +223,16 @@ class Pipe(nn.Module):
              schedule: str | Schedule = "gpipe") -> Tensor:
         """One forward and backward of a mini-batch under ``schedule``.
 
-        Parameter gradients accumulate as ``loss_fn(module(inputs), target).backward()``
-        would, for a loss that averages over the batch (`microbatch.loss_weights` holds
-        the scaling rule). Returns that loss, detached.
+        ``inputs`` and ``target`` are tensors or trees of them (see `microbatch.split`)
+        with the same number of rows. ``loss_fn(output, target)`` returns either a
+        mean-reduced scalar or a pair ``(loss_sum, count)`` (see `pipeline_lib.loss`);
+        parameter gradients accumulate as ``loss.backward()`` of the whole batch's loss
+        would add them (mean, or Σ loss_sum / Σ count), and that loss is returned,
+        detached. If the step fails or is interrupted, ``.grad`` is left as it was.
         """
-        micro_in = split(inputs, self.chunks)
-        micro_target = split(target, self.chunks)
-        if len(micro_target) != len(micro_in):
-            raise ValueError("inputs and target must have the same batch size")
+        check_grad_mode("Pipe.step")
+        check_rows(inputs, target)
+        micro_in, micro_target = split(inputs, self.chunks), split(target, self.chunks)
         m, n = len(micro_in), len(self.partitions)
         plan = self._schedule(schedule, m)
         step_seed = new_step_seed()
@@ -247,11 +259,11 @@ class Pipe(nn.Module):
             runner, device = runners[s], self.devices[s]
             if action.kind == "F":
                 x, skips = received
-                target_i = transfer(micro_target[i], device) if s == n - 1 else None
-                y = runner.forward(i, transfer(x, device), target_i, skips=skips)
+                target_i = to_device(micro_target[i], device) if s == n - 1 else None
+                y = runner.forward(i, to_device(x, device), target_i, skips=skips)
                 self._send_skips(mailbox, s, i, runner.take_stashed(i))
                 if s < n - 1:
-                    mailbox.put(("F", s + 1, i), transfer(y, self.devices[s + 1]))
+                    mailbox.put(("F", s + 1, i), to_device(y, self.devices[s + 1]))
             elif action.kind == "W":
                 runner.backward_weight(i)
             else:
@@ -260,10 +272,74 @@ class Pipe(nn.Module):
                 grad_in = backward(i, grad, skip_grads=skip_grads)
                 self._send_skip_grads(mailbox, i, runner.take_skip_grads(i))
                 if s > 0:
-                    mailbox.put(("B", s - 1, i), transfer(grad_in, self.devices[s - 1]))
+                    mailbox.put(("B", s - 1, i), to_device(grad_in, self.devices[s - 1]))
 
         rank_devices = [self.devices[r] for r in range(plan.ranks)]
-        self.timeline = run_programs(plan.actions, rank_devices, receive, compute, mailbox,
-                                     plan.name)
-        losses = runners[-1].losses
-        return torch.stack([losses[i] for i in range(m)]).sum()
+        grads = StepGradients(self.parameters())
+        try:
+            self._run_programs(plan.actions, rank_devices, receive, compute, mailbox,
+                               plan.name)
+            losses = [runners[-1].losses[i] for i in range(m)]
+            loss, count = torch.stack([value for value, _ in losses]).sum(), total_count(losses)
+            if count is not None:
+                count = count.item()
+                check_count(count)
+                loss = loss / count
+        except BaseException:
+            grads.discard()
+            raise
+        grads.commit(1.0 if count is None else 1.0 / count)
+        return loss
+
+
+class _StageFunction(torch.autograd.Function):
+    """One stage's forward of one micro-batch as a node of autograd's graph, for
+    ``pipe(x)``: its inputs are the stage's input tensors (and the skip tensors it pops),
+    its outputs the stage's output tensors (and the skip tensors it stashes), and its
+    backward is the `StageRunner`'s, which replays a checkpointed forward first."""
+
+    @staticmethod
+    def run(runner: StageRunner, microbatch: int, x: Any, skips: dict[SkipKey, Tensor]
+            ) -> tuple[Any, dict[SkipKey, Tensor]]:
+        """The stage's output and stashed tensors, connected to autograd if it is on."""
+        y = runner.forward(microbatch, x, skips=skips)
+        stashed = runner.take_stashed(microbatch)
+        if not torch.is_grad_enabled():
+            return y, stashed
+        # autograd must call the backward whenever the stage has weights to train, even
+        # if no input needs a gradient (stage 0): a 0-element input that needs one
+        trainable = any(p.requires_grad for p in runner.module.parameters())
+        trains = torch.empty(0, device=runner.device, requires_grad=trainable)
+        # a skip may carry None (stash(name, None)): only tensors enter the graph
+        stashed_tensors = {k: t for k, t in stashed.items() if isinstance(t, Tensor)}
+        popped = [k for k, t in skips.items() if isinstance(t, Tensor)]
+        flat = iter(_StageFunction.apply(runner, microbatch, x, y, stashed_tensors, popped,
+                                         trains, *tree.tensors(x), *(skips[k] for k in popped)))
+        y = tree.map_tensors(lambda _: next(flat), y)
+        return y, {k: next(flat) if k in stashed_tensors else t for k, t in stashed.items()}
+
+    @staticmethod
+    def forward(ctx, runner: StageRunner, microbatch: int, x: Any, y: Any,
+                stashed: dict[SkipKey, Tensor], popped: list[SkipKey], trains: Tensor,
+                *inputs: Tensor) -> tuple[Tensor, ...]:
+        ctx.runner, ctx.microbatch, ctx.y, ctx.stash_keys = runner, microbatch, y, list(stashed)
+        ctx.popped = popped
+        ctx.x_is_tensor = [isinstance(leaf, Tensor) for leaf in tree.leaves(x)]
+        ctx.set_materialize_grads(False)   # None, not zeros, for outputs left unused
+        outputs = [t.detach() for t in tree.tensors(y) + list(stashed.values())]
+        ctx.mark_non_differentiable(*(t for t in outputs if not t.is_floating_point()))
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        n = len(grads) - len(ctx.stash_keys)
+        it = iter(grads[:n])
+        grad_y = tree.map_leaves(lambda v: next(it) if isinstance(v, Tensor) else None, ctx.y)
+        runner, i = ctx.runner, ctx.microbatch
+        with torch.enable_grad():   # autograd runs backwards with it off; a replay needs it
+            grad_x = runner.backward(i, grad_y,
+                                     skip_grads=dict(zip(ctx.stash_keys, grads[n:])))
+        popped = runner.take_skip_grads(i)
+        grad_x = [g for g, is_tensor in zip(tree.leaves(grad_x), ctx.x_is_tensor) if is_tensor] \
+            if grad_x is not None else [None] * sum(ctx.x_is_tensor)
+        return (None,) * 7 + (*grad_x, *(popped.get(k) for k in ctx.popped))

@@ -4,7 +4,10 @@ Threads are enough for real parallelism: PyTorch releases the GIL inside its ker
 two stage threads on two CPU cores (or two GPUs) compute at the same time. Activations and
 gradients travel through a `Mailbox`; a thread that needs one waits for it. If any thread
 raises, the mailbox is closed, every waiting thread wakes up and stops, and the caller
-gets the original exception: no hang.
+gets the original exception: no hang. If the caller itself is interrupted (Ctrl-C in a
+notebook), the mailbox is closed too and the caller waits for every thread to stop
+before it re-raises: no stage thread is left running, adding gradients behind the next
+step's back.
 """
 from __future__ import annotations
 
@@ -35,11 +38,16 @@ class Mailbox:
 
     def get(self, key: Hashable) -> Any:
         with self._cond:
-            while key not in self._items:
-                if self._error is not None:
-                    raise PipelineAborted("another stage failed") from None
+            while True:
+                self.check()
+                if key in self._items:
+                    return self._items.pop(key)
                 self._cond.wait()
-            return self._items.pop(key)
+
+    def check(self) -> None:
+        """Raise `PipelineAborted` once the pipeline has failed: stop, whatever is next."""
+        if self._error is not None:
+            raise PipelineAborted(f"the pipeline stopped: {type(self._error).__name__}")
 
     def close(self, error: BaseException) -> None:
         with self._cond:
@@ -74,6 +82,7 @@ def run_programs(programs: list[list[Action]], devices: list[torch.device],
                 torch.cuda.set_device(device)
             with torch.set_grad_enabled(grad_enabled):
                 for action in programs[rank]:
+                    mailbox.check()
                     received = receive(action)
                     start = time.perf_counter()
                     compute(action, received)
@@ -86,10 +95,15 @@ def run_programs(programs: list[list[Action]], devices: list[torch.device],
 
     threads = [threading.Thread(target=worker, args=(r,), name=f"pipeline-rank{r}",
                                 daemon=True) for r in range(len(programs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    except BaseException as exc:   # the caller was interrupted: stop the threads first
+        mailbox.close(exc)
+        _join_stopping(threads)
+        raise
     if errors:
         # report the failure that caused the others (they only saw the abort)
         rank, action, exc = next((e for e in errors if not isinstance(e[2], PipelineAborted)),
@@ -99,3 +113,15 @@ def run_programs(programs: list[list[Action]], devices: list[torch.device],
         raise exc
     events.sort(key=lambda e: (e.start, e.rank))
     return Timeline(len(programs), events, unit="s", title=title)
+
+
+def _join_stopping(threads: list[threading.Thread]) -> None:
+    """Wait for threads told to stop. Each stops before its next action, so this waits
+    for one action at most; a second Ctrl-C must not cut that wait short, or the
+    interrupted step's last actions would run on behind the next step."""
+    for t in threads:
+        while t.is_alive():   # (False for a thread not started yet)
+            try:
+                t.join()
+            except KeyboardInterrupt:
+                continue

@@ -38,6 +38,18 @@ def _time_scale(timeline: Timeline) -> tuple[float, str]:
     return 1.0, "time (simulated cost units)"
 
 
+def _chunk_of(timeline: Timeline) -> dict[tuple[int, int], int]:
+    """(row, stage) -> which of its row's model chunks the stage is, counted from the
+    row's first stage. Read from the events rather than computed as ``stage // rows``,
+    which holds only when every row is one pipeline rank: a gathered run with replicas
+    has ``dp × pp`` rows, and a V-shaped schedule's second chunk runs backwards."""
+    stages: dict[int, set[int]] = {}
+    for e in timeline.events:
+        stages.setdefault(e.rank, set()).add(e.action.stage)
+    return {(row, stage): k for row, held in stages.items()
+            for k, stage in enumerate(sorted(held))}
+
+
 def gantt(timeline: Timeline, ax: Axes | None = None, title: str | None = None,
           labels: bool = True, legend: bool = True) -> Axes:
     """Draw one row per rank, one box per action, on a grey row that shows idle time.
@@ -59,14 +71,15 @@ def gantt(timeline: Timeline, ax: Axes | None = None, title: str | None = None,
         _, ax = plt.subplots(figsize=(10, 0.45 * timeline.ranks + 1.3))
     scale, xlabel = _time_scale(timeline)
     span = timeline.makespan * scale
-    chunks = max(e.action.stage // timeline.ranks for e in timeline.events) + 1
+    chunk = _chunk_of(timeline)
+    chunks = max(chunk.values()) + 1
     interleaved = chunks > 1
 
     for rank in range(timeline.ranks):
         ax.broken_barh([(0, span)], (rank - 0.4, 0.8), color=IDLE_COLOUR, zorder=0)
         events = [e for e in timeline.events if e.rank == rank]
         colours = [_lighter(KIND_COLOURS[e.action.kind],
-                            0.45 * (e.action.stage // timeline.ranks) / chunks) for e in events]
+                            0.45 * chunk[e.rank, e.action.stage] / chunks) for e in events]
         ax.broken_barh([(e.start * scale, e.duration * scale) for e in events],
                        (rank - 0.4, 0.8), facecolors=colours, edgecolor="white",
                        linewidth=0.6, zorder=1)

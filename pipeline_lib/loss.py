@@ -1,0 +1,123 @@
+"""What a training step's ``loss_fn`` may return, and how a step turns the micro-batches'
+losses into the batch's.
+
+``loss_fn(output, target)`` runs on the last stage, once per micro-batch, and returns one
+of two things (Megatron-LM accepts the same two):
+
+* **a mean**, a scalar averaging over the micro-batch's rows (``F.cross_entropy`` with its
+  default reduction). Micro-batch i's loss is weighted by b_i / B before its backward
+  (`microbatch.loss_weights`): the gradients are those of the whole batch's mean. Exact
+  when every row weighs the same.
+* **a sum and a count**, ``(loss_sum, count)``: e.g. the cross-entropy summed over the
+  micro-batch's tokens (``reduction="sum"``) and the number of tokens that are not
+  padding (``(target != ignore_index).sum()``). The batch's loss is Σ loss_sum / Σ count,
+  every token weighing the same however the padding falls into micro-batches, which the
+  b_i / B rule gets wrong. Σ count is known only once the last micro-batch's forward has
+  run, long after 1F1B's first backward; so each micro-batch backpropagates its sum
+  unscaled, and when the step ends, the gradients *it* added are divided by the total
+  count (`StepGradients`). Gradients already in ``.grad`` when the step began (several
+  steps accumulated without ``zero_grad``) are set aside meanwhile and stay as they were.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import Tensor, nn
+
+MicroLoss = tuple[Tensor, "Tensor | None"]   # (loss or loss_sum, None or count)
+
+
+def check_grad_mode(caller: str) -> None:
+    """A training step runs backwards: autograd must be on where it is called."""
+    if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
+        raise RuntimeError(f"{caller} runs a backward, but it was called with autograd off "
+                           f"(inside torch.no_grad() or torch.inference_mode()), so no "
+                           f"gradient could be computed; call it outside that block (for a "
+                           f"forward without gradients, call the pipe itself: pipe(x))")
+
+
+def micro_loss(result: Any, microbatch: int, need_grad: bool) -> MicroLoss:
+    """``loss_fn``'s return value for ``microbatch`` as ``(loss, count)``, count None for
+    a mean. ``need_grad``: the loss was computed with autograd on, so it must carry a
+    graph back to the model."""
+    loss, count = result if isinstance(result, (tuple, list)) and len(result) == 2 \
+        else (result, None)
+    where = f"loss_fn returned {_kind(result)} for micro-batch {microbatch}"
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"{where}; return a tensor computed from the model's output: a "
+                        f"mean-reduced scalar, or a pair (loss_sum, count). A Python number "
+                        f"(from .item() or float()) carries no gradient")
+    if loss.numel() != 1:
+        raise ValueError(f"{where}, a loss of shape {list(loss.shape)}; return a scalar: "
+                         f"its mean over the micro-batch, or the pair (loss.sum(), count)")
+    if need_grad and not loss.requires_grad:
+        raise RuntimeError(f"{where}, a loss that does not require grad: its backward would "
+                           f"compute no gradient. Was it detached (.detach(), "
+                           f"torch.tensor(loss.item())) or computed under torch.no_grad()?")
+    if count is not None:
+        if isinstance(count, Tensor):
+            if count.numel() != 1 or count.requires_grad:
+                raise ValueError(f"{where}: its count must be one number that carries no "
+                                 f"gradient, got a tensor of shape {list(count.shape)}"
+                                 f"{' requiring grad' if count.requires_grad else ''}")
+            count = count.detach().reshape(()).to(torch.float64)
+        elif isinstance(count, (int, float)) and not isinstance(count, bool):
+            count = torch.tensor(float(count), dtype=torch.float64, device=loss.device)
+        else:
+            raise TypeError(f"{where}: the second item, the count, must be a number or a "
+                            f"one-element tensor, not {type(count).__name__}")
+    return loss.reshape(()), count
+
+
+def _kind(result: Any) -> str:
+    if isinstance(result, Tensor):
+        return f"a tensor of shape {list(result.shape)}"
+    if isinstance(result, (tuple, list)):
+        return f"a {type(result).__name__} of {len(result)}"
+    return f"a {type(result).__name__}"
+
+
+def total_count(losses: Iterable[MicroLoss]) -> Tensor | None:
+    """The sum of the micro-batches' counts; None if ``loss_fn`` returned means."""
+    counts = [count for _, count in losses]
+    if all(c is None for c in counts):
+        return None
+    if any(c is None for c in counts):
+        raise TypeError("loss_fn returned a pair (loss_sum, count) for some micro-batches "
+                        "and a single loss for others; return the same kind for all")
+    return torch.stack(counts).sum()
+
+
+def check_count(total: float) -> None:
+    if not total > 0:
+        raise ValueError(f"the counts loss_fn returned add up to {total} over the whole "
+                         f"batch: there is nothing to average over (is every target "
+                         f"padding, i.e. equal to ignore_index?)")
+
+
+class StepGradients:
+    """Keeps the gradients one step adds apart from those already in ``.grad``.
+
+    Made when the step starts: it takes every parameter's ``.grad`` aside, so the step
+    accumulates into empty ones. `commit` scales what the step added and adds back what
+    was there; `discard`, for a step that failed, restores ``.grad`` as it was.
+    """
+
+    def __init__(self, parameters: Iterable[nn.Parameter]):
+        self.parameters = list(parameters)
+        self.before = [p.grad for p in self.parameters]
+        for p in self.parameters:
+            p.grad = None
+
+    def commit(self, scale: float = 1.0) -> None:
+        for p, before in zip(self.parameters, self.before):
+            added = p.grad
+            if added is not None and scale != 1.0:
+                added.mul_(scale)
+            if before is not None:
+                p.grad = before if added is None else before.add_(added)
+
+    def discard(self) -> None:
+        for p, before in zip(self.parameters, self.before):
+            p.grad = before

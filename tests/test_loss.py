@@ -1,0 +1,69 @@
+"""Losses whose normaliser varies by micro-batch: ``loss_fn`` returns (loss_sum, count),
+and the step's gradients are those of (sum over all tokens) / (total tokens)."""
+import pytest
+import torch
+from torch import nn
+
+from pipeline_lib import Pipe
+from conftest import assert_same_grads
+from workloads import PAD, padded_batch, token_mean, token_model, token_sum
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
+
+
+def unpipelined() -> tuple[nn.Sequential, torch.Tensor]:
+    inputs, target = padded_batch()
+    model = token_model()
+    loss = token_mean(model(inputs), target)
+    loss.backward()
+    return model, loss.detach()
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_sum_and_count_give_the_token_weighted_loss_and_gradients(schedule, checkpoint):
+    reference, expected = unpipelined()
+    model = token_model()
+    pipe = Pipe(model, chunks=4, checkpoint=checkpoint, balance=[1, 1, 1, 1])
+    loss = pipe.step(*padded_batch(), token_sum, schedule)
+    torch.testing.assert_close(loss, expected)
+    assert_same_grads(model, reference)
+
+
+def test_why_the_pair_exists_a_mean_per_micro_batch_is_not_the_token_mean():
+    _, expected = unpipelined()
+    pipe = Pipe(token_model(), chunks=4, balance=[2, 2])
+    assert abs(pipe.step(*padded_batch(), token_mean).item() - expected.item()) > 1e-3
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_gradients_accumulated_before_the_step_are_not_rescaled(schedule):
+    """The step divides only the gradients it added: what was already in .grad (steps
+    accumulated without zero_grad) stays as it was."""
+    reference, _ = unpipelined()
+    model = token_model()
+    earlier = [torch.randn_like(p) for p in model.parameters()]
+    for p, g in zip(model.parameters(), earlier):
+        p.grad = g.clone()
+    Pipe(model, chunks=4, balance=[1, 1, 1, 1]).step(*padded_batch(), token_sum, schedule)
+    for p, g, q in zip(model.parameters(), earlier, reference.parameters()):
+        torch.testing.assert_close(p.grad, g + q.grad)
+
+
+def test_inconsistent_or_empty_counts_are_refused():
+    inputs, target = padded_batch()
+    model = token_model()
+    pipe = Pipe(model, chunks=2, balance=[2, 2])
+    calls = []
+
+    def sometimes_pairs(logits, t):
+        calls.append(1)
+        return token_sum(logits, t) if len(calls) == 1 else token_mean(logits, t)
+
+    with pytest.raises(TypeError, match="a pair .* for some micro-batches and a single loss"):
+        pipe.step(inputs, target, sometimes_pairs)
+    with pytest.raises(ValueError, match="add up to 0.0 .* ignore_index"):
+        pipe.step(inputs, torch.full_like(target, PAD), token_sum)
+    with pytest.raises(ValueError, match="count must be one number that carries no gradient"):
+        pipe.step(inputs, target, lambda out, t: (token_sum(out, t)[0], torch.ones(2)))
+    assert all(p.grad is None for p in model.parameters())
