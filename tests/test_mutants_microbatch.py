@@ -37,18 +37,16 @@ def test_a_0d_tensor_in_the_batch_goes_whole_to_every_microbatch():
     assert all(p[1] is temperature for p in parts)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug (found by mutant gather__mutmut_7): gather returns micro-batch 0's 0-d output and "
-    "drops the others, so Pipe(model) of a model ending in a scalar (x.sum()) silently "
-    "returns the first micro-batch's value; it should refuse 0-d outputs with a clear "
-    "error (pipeline_lib/microbatch.py is not this branch's to change)"))
 def test_0d_outputs_are_refused_not_silently_reduced_to_the_first():
-    with pytest.raises(ValueError, match="0-d"):
+    # Found by a mutant of the old gather, which returned micro-batch 0's 0-d output and
+    # dropped the others: pipe(x) of a model ending in x.sum() gave the first micro-batch's.
+    with pytest.raises(ValueError, match="returned a 0-dim tensor"):
         gather([torch.tensor(1.0), torch.tensor(2.0)])
+    with pytest.raises(ValueError, match="returned a 0-dim tensor"):
+        gather([(torch.ones(2), torch.tensor(1.0)), (torch.ones(2), torch.tensor(2.0))])
     model = nn.Sequential(nn.Linear(2, 2), Sum())
-    x = torch.randn(4, 2)
-    with pytest.raises(ValueError):
-        Pipe(model, chunks=2)(x)
+    with pytest.raises(ValueError, match="returned a 0-dim tensor"):
+        Pipe(model, chunks=2)(torch.randn(4, 2))
 
 
 class Sum(nn.Module):
@@ -62,8 +60,11 @@ def test_error_messages_are_exact():
     assert str(info.value) == "NoChunk wraps a tensor, got list"
     with pytest.raises(TypeError) as info:
         split((torch.tensor(1.0), "flag"), 2)  # a 0-d tensor has no batch dimension
-    assert str(info.value) == ("the batch has no tensor to split along dim 0; pass at least "
-                               "one tensor with a batch dimension (wrap shared ones in NoChunk)")
+    assert str(info.value) == (
+        "the batch has no tensor to split along dim 0 (got tuple of (Tensor, str)); pass a "
+        "tensor, or a tuple, list or dict holding at least one tensor with a batch dimension "
+        "(torch.tensor(...) turns a list of numbers into one; wrap tensors shared by all rows "
+        "in NoChunk)")
     with pytest.raises(ValueError) as info:
         split(torch.zeros(4, 2), 0)
     assert str(info.value) == "chunks must be >= 1, got 0"
