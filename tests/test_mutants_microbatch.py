@@ -68,3 +68,15 @@ def test_error_messages_are_exact():
     with pytest.raises(ValueError) as info:
         split(torch.zeros(4, 2), 0)
     assert str(info.value) == "chunks must be >= 1, got 0"
+
+
+def test_gather_names_what_differs_between_microbatches():
+    with pytest.raises(ValueError) as info:
+        gather([(torch.ones(2), 1), [torch.ones(2)]])
+    assert str(info.value) == ("the outputs of micro-batches 0 and 1 are structured "
+                               "differently (tuple of (Tensor, int) vs list of (Tensor)); a "
+                               "stage must return the same containers for every micro-batch")
+    with pytest.raises(ValueError) as info:
+        gather([torch.ones(2), torch.ones(2), "oops"])
+    assert str(info.value) == ("the last stage returned a tensor for micro-batch 0 but a "
+                               "str for another, in the same place")

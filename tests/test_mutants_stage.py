@@ -18,7 +18,7 @@ from pipeline_lib.partition import group_layers
 from pipeline_lib.rng import microbatch_rng, seed_for
 from pipeline_lib.schedules import build
 from pipeline_lib.skip import pop, skip_routes, skippable, stash
-from pipeline_lib.stage import StageRunner, detach, detach_as_leaf
+from pipeline_lib.stage import StageRunner, detach, detach_as_leaf, to_device
 from pipeline_lib.timeline import simulate
 from conftest import assert_same_grads
 
@@ -345,3 +345,168 @@ def test_wrong_number_of_gradients_is_refused():
     with pytest.raises(RuntimeError, match="^stage 1: got 2 gradients for the 1 leaves of "
                                            "micro-batch 0's output$"):
         runner.backward(0, (torch.ones(2, 3), torch.ones(2, 3)))
+
+
+# --------------------------------------------------------------------------- what a stage owns
+
+
+class AddOneInPlace(nn.Module):
+    """Changes its input in place, and not idempotently: a replay that saw the already
+    changed input would add 2."""
+
+    def forward(self, x):
+        return x.add_(1)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("first", [False, True])
+def test_an_in_place_first_layer_computes_what_the_model_computes(checkpoint, first):
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    expected_out = lin(x + 1)
+    expected_out.sum().backward()
+    expected_grad = lin.weight.grad.clone()
+    lin.zero_grad()
+
+    runner = StageRunner(1, nn.Sequential(AddOneInPlace(), lin), CPU, checkpoint, 1, 0,
+                         first=first)
+    given = x.clone()
+    torch.testing.assert_close(runner.forward(0, given), expected_out.detach())
+    grad_in = runner.backward(0, torch.ones(4, 2))
+    torch.testing.assert_close(lin.weight.grad, expected_grad)  # the replay saw x, not x + 1
+    if not first:
+        torch.testing.assert_close(grad_in, torch.ones(4, 2) @ lin.weight.detach())
+
+
+def test_the_first_stage_uses_its_input_as_given():
+    # No detach on the first stage: a caller's tensor that requires grad gets its gradient.
+    lin = nn.Linear(3, 2)
+    x = torch.randn(4, 3, requires_grad=True)
+    runner = StageRunner(0, lin, CPU, "never", 1, 0, first=True)
+    runner.forward(0, x)
+    assert runner.backward(0, torch.ones(4, 2)) is None
+    torch.testing.assert_close(x.grad, torch.ones(4, 2) @ lin.weight.detach())
+
+
+class WithConstant(nn.Module):
+    """Sends a float tensor that depends on nothing (no graph) beside its activation."""
+
+    def forward(self, x):
+        return x * 2, torch.ones(x.size(0), 1)
+
+
+class UsePair(nn.Module):
+    def forward(self, pair):
+        return pair[0] * pair[1]
+
+
+@pytest.mark.parametrize("method", ["backward", "backward_input"])
+def test_an_output_without_graph_takes_no_gradient(method):
+    # The next stage makes every float input a leaf needing grad, so it sends a gradient
+    # for the constant too; the constant has no graph to take it.
+    runner = StageRunner(1, WithConstant(), CPU, "never", 1, 0)
+    x = torch.randn(2, 3)
+    h, ones = runner.forward(0, x)
+    grad = getattr(runner, method)(0, (torch.ones(2, 3), torch.full((2, 1), 5.0)))
+    torch.testing.assert_close(grad, torch.full((2, 3), 2.0))
+    assert torch.equal(ones, torch.ones(2, 1))
+
+
+def test_to_device_moves_every_tensor_of_a_tree():
+    x, ids = torch.randn(2), torch.arange(2)
+    moved = to_device({"x": x, "rest": (ids, "flag")}, torch.device("meta"))
+    assert moved["x"].device.type == "meta" and moved["rest"][0].device.type == "meta"
+    assert moved["rest"][0].dtype == torch.int64 and moved["rest"][1] == "flag"
+
+
+# --------------------------------------------------------------------------- losses
+
+
+def test_a_sum_and_count_loss_is_kept_unweighted():
+    lin = nn.Linear(3, 1)
+    x, y = torch.randn(4, 3), torch.randn(4, 1)
+
+    def loss_fn(out, target):
+        return ((out - target) ** 2).sum(), 4
+
+    runner = StageRunner(0, lin, CPU, "never", 2, 0, loss_fn=loss_fn,
+                         loss_weights=[0.25, 0.75], first=True)
+    out = runner.forward(1, x, y)
+    value, count = runner.losses[1]
+    expected = ((lin(x) - y) ** 2).sum().detach()
+    torch.testing.assert_close(value, expected)  # not scaled by 0.75
+    torch.testing.assert_close(out, expected)
+    assert count.item() == 4
+
+
+def test_loss_errors_name_the_microbatch():
+    lin = nn.Linear(3, 2)
+    runner = StageRunner(0, lin, CPU, "never", 2, 0, loss_fn=lambda out, t: out,
+                         loss_weights=[0.5, 0.5], first=True)
+    with pytest.raises(ValueError, match="^loss_fn returned a tensor of shape \\[4, 2\\] "
+                                         "for micro-batch 1, a loss of shape"):
+        runner.forward(1, torch.randn(4, 3), None)
+    detached = StageRunner(0, lin, CPU, "never", 1, 0, first=True, loss_weights=[1.0],
+                           loss_fn=lambda out, t: out.sum().detach())
+    with pytest.raises(RuntimeError, match="for micro-batch 0, a loss that does not "
+                                           "require grad"):
+        detached.forward(0, torch.randn(4, 3), None)
+
+
+def test_a_second_backward_of_a_microbatch_is_refused():
+    runner = StageRunner(2, nn.Linear(3, 3), CPU, "never", 1, 0)
+    runner.forward(0, torch.randn(2, 3))
+    runner.backward(0, torch.ones(2, 3))
+    with pytest.raises(RuntimeError) as info:
+        runner.backward(0, torch.ones(2, 3))
+    assert str(info.value) == ("stage 2: the backward of micro-batch 0 ran twice, or without "
+                               "its forward (a graph from pipe(x) can be backpropagated once: "
+                               "no retain_graph)")
+
+
+# --------------------------------------------------------------------------- skips: edge cases
+
+
+@skippable(stash=["nothing", "skip"])
+class SaveNoneThenTensor(nn.Module):
+    def forward(self, x):
+        yield stash("nothing", None)
+        yield stash("skip", x * 3)
+        return x
+
+
+@pytest.mark.parametrize("method", ["backward", "backward_input"])
+def test_a_stashed_none_does_not_hide_the_stashed_tensors_after_it(method):
+    stage = nn.Sequential(nn.Linear(2, 2), SaveNoneThenTensor())
+    runner = StageRunner(1, stage, CPU, "never", 1, 0)
+    x = torch.randn(3, 2)
+    runner.forward(0, x)
+    keys = {key[1]: key for key in runner.take_stashed(0)}
+    assert set(keys) == {"nothing", "skip"}
+    skip_grad = torch.ones(3, 2)
+    grad = getattr(runner, method)(0, torch.zeros(3, 2),
+                                   skip_grads={keys["nothing"]: None, keys["skip"]: skip_grad})
+    # only the skip's gradient reaches the input: 3 * (ones @ W)
+    torch.testing.assert_close(grad, 3 * skip_grad @ stage[0].weight.detach())
+
+
+@pytest.mark.parametrize("method", ["backward", "backward_input"])
+def test_a_stash_the_popper_did_not_differentiate_sends_nothing_back(method):
+    stage = nn.Sequential(nn.Linear(2, 2), Save())
+    runner = StageRunner(1, stage, CPU, "never", 1, 0)
+    runner.forward(0, torch.randn(3, 2))
+    (key,) = runner.take_stashed(0)
+    grad = getattr(runner, method)(0, torch.ones(3, 2), skip_grads={key: None})
+    torch.testing.assert_close(grad, torch.ones(3, 2) @ stage[0].weight.detach())
+
+
+@pytest.mark.parametrize("method", ["backward", "backward_input"])
+def test_an_integer_tensor_popped_takes_no_gradient(method):
+    runner = StageRunner(1, nn.Sequential(nn.Linear(4, 4), Add()), CPU, "never", 1, 0)
+    key = Add().skip_key("skip")
+    x = torch.randn(2, 4)
+    runner.forward(0, x, skips={key: torch.ones(2, 4, dtype=torch.int64)})
+    grad = getattr(runner, method)(0, torch.ones(2, 4))
+    torch.testing.assert_close(grad, torch.ones(2, 4) @ runner.module[0].weight.detach())
+    assert runner.take_skip_grads(0) == {key: None}
