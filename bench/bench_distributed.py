@@ -5,10 +5,13 @@ torch.distributed.pipelining and plain sequential training, same model, data and
     python bench/bench_distributed.py --quick    # small model, smoke test
 
 Two ranks with one intra-op thread each (torchrun, gloo), against one process with one and
-with two threads. One step is the forward and backward of the global batch, between
-barriers. For each micro-batch count m, t_s is the measured forward + backward time of one
-micro-batch on stage s (from pipeline_lib's own timelines), and the ideal fill-drain step
-takes Σt_s + (m-1)·max t_s; "of ideal" is that over the measured step time.
+with two threads. "pipeline_lib plain" is the same pipeline on the transport's first layer
+only (`p2p.Transport`: header, then tensors, each waiting for its receive); "pipeline_lib"
+adds its second (`p2p.PostedEarly`: receives posted before they are needed). One step is
+the forward and backward of the global batch, between barriers. For each micro-batch
+count m, t_s is the measured forward + backward time of one micro-batch on stage s (from
+pipeline_lib's own timelines), and the ideal fill-drain step takes Σt_s + (m-1)·max t_s;
+"of ideal" is that over the measured step time.
 Prints one JSON object per run, then a table.
 """
 from __future__ import annotations
@@ -31,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline_lib.distributed import DistributedPipe
-from pipeline_lib.distributed.mesh import Mesh, init_mesh, process_group
+from pipeline_lib.distributed.job import process_group
+from pipeline_lib.distributed.mesh import Mesh, init_mesh
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.partition import balance_by_time
 from timing import Runner, alternate, paired_ratio  # bench/timing.py, beside this file
@@ -90,11 +94,11 @@ def zero_grad_of(module: nn.Module) -> Callable[[], None]:
     return lambda: module.zero_grad(set_to_none=True)
 
 
-def ours(config: Config, balance: list[int], schedule: str, m: int,
-         mesh: Mesh) -> tuple[Runner, dict[tuple[int, str], list[float]]]:
+def ours(config: Config, balance: list[int], schedule: str, m: int, mesh: Mesh,
+         post_early: bool = True) -> tuple[Runner, dict[tuple[int, str], list[float]]]:
     """The runner, and the durations of every action on each (stage, kind) that rank 1
     gathers from the timelines of the measured steps."""
-    pipe = DistributedPipe(build(config), mesh, balance, m, schedule)
+    pipe = DistributedPipe(build(config), mesh, balance, m, schedule, post_early=post_early)
     inputs, target = batch(config)
     durations: dict[tuple[int, str], list[float]] = {}
 
@@ -138,6 +142,8 @@ def worker(args: argparse.Namespace) -> None:
             for schedule in SCHEDULES:
                 our_runner, durations = ours(config, balance, schedule, m, mesh)
                 runners = {"pipeline_lib": our_runner,
+                           "pipeline_lib plain": ours(config, balance, schedule, m, mesh,
+                                                      post_early=False)[0],
                            "torch.pipelining": torch_pipelining(config, balance, schedule, m,
                                                                 mesh.rank)}
                 times = alternate(runners, args.warmup, args.steps, sync=dist.barrier)
@@ -175,16 +181,17 @@ def ideal_step(stage_s: list[float], m: int) -> float:
 def report(config: Config, balance: list[int], seq1: float, seq2: float,
            runs: list[dict]) -> None:
     tokens = config.batch * config.seq
-    torch_steps = {(r["schedule"], r["m"]): r["steps_s"] for r in runs
-                   if r["impl"] == "torch.pipelining"}
+    steps_of = {(r["impl"], r["schedule"], r["m"]): r["steps_s"] for r in runs}
     rows = [dict(run="sequential, 1 thread", step_s=seq1),
             dict(run="sequential, 2 threads", step_s=seq2)]
     for r in runs:
         ideal = ideal_step(r["stage_s"], r["m"])
         rows.append(dict(run=f"{r['impl']} {SCHEDULES[r['schedule']]}", m=r["m"],
                          step_s=r["step_s"], steps_s=r["steps_s"],
-                         vs_torch_pipelining=paired_ratio(torch_steps[(r["schedule"], r["m"])],
-                                                          r["steps_s"]),
+                         vs_torch_pipelining=paired_ratio(
+                             steps_of[("torch.pipelining", r["schedule"], r["m"])], r["steps_s"]),
+                         vs_plain=paired_ratio(
+                             steps_of[("pipeline_lib plain", r["schedule"], r["m"])], r["steps_s"]),
                          fraction_of_ideal=ideal / r["step_s"],
                          ideal_speedup=r["m"] * sum(r["stage_s"]) / ideal,
                          stage_s=r["stage_s"]))
@@ -193,42 +200,51 @@ def report(config: Config, balance: list[int], seq1: float, seq2: float,
         print(json.dumps({**row, "balance": balance, "config": asdict(config)}))
 
     print(f"\n{config}, stages {balance} (balance_by_time), 2 ranks x 1 thread on CPU")
-    print(f"{'run':<30} {'m':>3} {'tokens/s':>10} {'step s':>8} {'vs torch':>9} {'of ideal':>9}")
+    print(f"{'run':<30} {'m':>3} {'tokens/s':>10} {'step s':>8} {'vs torch':>9} "
+          f"{'vs plain':>9} {'of ideal':>9}")
     for row in rows:
         m = row.get("m", "")
         versus = f"{row['vs_torch_pipelining']:.2f}x" if "m" in row else ""
+        plain = f"{row['vs_plain']:.2f}x" if "m" in row else ""
         ideal = f"{row['fraction_of_ideal']:.0%}" if "m" in row else ""
         print(f"{row['run']:<30} {m:>3} {row['tokens_per_s']:>10.0f} {row['step_s']:>8.3f} "
-              f"{versus:>9} {ideal:>9}")
+              f"{versus:>9} {plain:>9} {ideal:>9}")
     speedups = ", ".join(
         f"{SCHEDULES[r['schedule']]} m={r['m']}: {r['m'] * sum(r['stage_s']) / ideal_step(r['stage_s'], r['m']):.2f}x "
         f"(t_s {', '.join(f'{t:.3f}' for t in r['stage_s'])} s)"
         for r in runs if r["impl"] == "pipeline_lib")
-    print("vs torch: median over steps of torch.pipelining's step time / this step time, "
-          "the two taking turns step by step.\n"
+    print("vs torch (vs plain): median over steps of torch.pipelining's (pipeline_lib "
+          "plain's) step time / this step time, all taking turns step by step.\n"
           "Ideal: t_s is the median forward + backward time of one micro-batch on stage s, "
           "measured in pipeline_lib's timelines; a fill-drain step ideally takes "
           "Σt_s + (m-1)·max t_s, a speedup over one rank of m·Σt_s / (Σt_s + (m-1)·max t_s) "
           f"(p·m/(m+p-1) for equal stages): {speedups}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def launcher_args(description: str, microbatches: list[int], steps: int,
+                  split_flag: str) -> argparse.Namespace:
+    """The flags of a benchmark that starts itself again under torchrun: the hidden ones
+    (``--worker``, ``--config``, the split, ``--out``) hand each worker its job."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="small model, few steps")
-    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--config", help=argparse.SUPPRESS)
-    parser.add_argument("--balance", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=microbatches)
+    for hidden in ("--worker", "--config", split_flag, "--out"):
+        parser.add_argument(hidden, help=argparse.SUPPRESS,
+                            **({"action": "store_true"} if hidden == "--worker" else {}))
     args = parser.parse_args()
+    if args.steps is None:
+        args.steps = 2 if args.quick else steps
+    return args
+
+
+def main() -> None:
+    args = launcher_args(__doc__.split("\n\n")[0], [4, 8], 4, "--balance")
     if args.worker:
         worker(args)
         return
     config = QUICK if args.quick else HEADLINE
-    args.warmup = args.warmup if args.warmup is not None else 1
-    args.steps = args.steps if args.steps is not None else (2 if args.quick else 4)
     torch.set_num_threads(1)
     sample = batch(config)[0][:config.batch // max(args.microbatches)]
     balance = balance_by_time(build(config), sample, 2)

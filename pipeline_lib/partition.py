@@ -23,7 +23,7 @@ import math
 import numbers
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate
 from typing import Any
 
@@ -40,6 +40,8 @@ __all__ = ["optimal_split", "stage_costs", "check_balance", "group_layers", "lay
 #: What flows between layers: a tensor, or tuples, lists and dicts holding tensors
 #: (other items pass through untouched).
 Activations = Any
+#: ``loss_fn(output, target)``: the last stage's loss, a scalar tensor (as in `Pipe.step`).
+LossFn = Callable[[Activations, Activations], Tensor]
 
 
 # --------------------------------------------------------------------------- splitting
@@ -186,9 +188,15 @@ def layer_params(module: nn.Sequential) -> list[int]:
 
 
 def layer_times(module: nn.Sequential, sample: Activations, *, repeats: int = 5,
-                device: torch.device | str | None = None) -> list[float]:
+                device: torch.device | str | None = None, loss_fn: LossFn | None = None,
+                target: Activations = None) -> list[float]:
     """Seconds each top-level layer takes for one forward plus backward on ``sample``,
     which should be one micro-batch: that is what a stage processes.
+
+    With ``loss_fn`` (and the micro-batch's ``target``), the last layer's time includes
+    ``loss_fn(output, target)`` and its backward, as the last stage of `Pipe.step` runs
+    them. Leave it out and a costly loss (a language model's cross-entropy over the whole
+    vocabulary) goes uncounted, so the last stage measures slower than predicted.
 
     The sample runs through the layers in order, each getting the previous output
     *detached* (a fresh leaf, requiring grad if the original did), so backward stops at
@@ -204,14 +212,21 @@ def layer_times(module: nn.Sequential, sample: Activations, *, repeats: int = 5,
     _check_sequential(module, "layer_times")
     if not isinstance(repeats, numbers.Integral) or repeats < 1:
         raise ValueError(f"repeats must be an int of at least 1, got {repeats!r}")
+    if (loss_fn is None) != (target is None):
+        raise ValueError("give loss_fn and target together (the loss of the last layer's "
+                         "output against the micro-batch's target), or neither")
     x, device = _first_input(sample, device)
+    if target is not None:
+        target = tree_map_only(Tensor, lambda t: t.to(device), target)
+    last = len(module) - 1
     times = []
-    for layer in _profiling_copies(module, device):
+    for k, layer in enumerate(_profiling_copies(module, device)):
+        loss = (lambda y: loss_fn(y, target)) if loss_fn is not None and k == last else None
         runs = []
         for _ in range(1 + repeats):
             _synchronize(device)
             start = time.perf_counter()
-            y = _forward_backward(layer, x)
+            y = _forward_backward(layer, x, loss)
             _synchronize(device)
             runs.append(time.perf_counter() - start)
             layer.zero_grad(set_to_none=True)  # so every run writes fresh gradients
@@ -274,15 +289,18 @@ def balance_by_params(module: nn.Sequential, stages: int) -> list[int]:
 
 
 def balance_by_time(module: nn.Sequential, sample: Activations, stages: int, *,
-                    repeats: int = 5, device: torch.device | str | None = None) -> list[int]:
-    """Balance that evens out forward+backward time per stage (see `layer_times`).
+                    repeats: int = 5, device: torch.device | str | None = None,
+                    loss_fn: LossFn | None = None, target: Activations = None) -> list[int]:
+    """Balance that evens out forward+backward time per stage (see `layer_times`; pass
+    ``loss_fn`` and ``target`` when the loss is costly, so the last stage carries it).
 
     Time is what a pipeline's throughput depends on, so this is usually the one to use;
     measure on the hardware you will train on.
     """
     _check_sequential(module, "balance_by_time")
     _check_stages(stages, len(module))
-    return optimal_split(layer_times(module, sample, repeats=repeats, device=device), stages)
+    return optimal_split(layer_times(module, sample, repeats=repeats, device=device,
+                                     loss_fn=loss_fn, target=target), stages)
 
 
 def balance_by_memory(module: nn.Sequential, sample: Activations, stages: int, *,
@@ -335,8 +353,12 @@ def _profiling_copies(module: nn.Sequential, device: torch.device) -> Iterator[n
         yield copy.deepcopy(layer).to(device).train()
 
 
-def _forward_backward(layer: nn.Module, x: Activations) -> Activations:
+def _forward_backward(layer: nn.Module, x: Activations,
+                      loss: Callable[[Activations], Tensor] | None = None) -> Activations:
     y = layer(x)
+    if loss is not None:
+        loss(y).backward()
+        return y
     outputs = [t for t in _tensors(y, "each layer's output") if t.requires_grad]
     if outputs:
         torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])

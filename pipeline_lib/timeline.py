@@ -5,15 +5,21 @@ with the same Gantt function and its bubble compared with the prediction number 
 """
 from __future__ import annotations
 
+import math
+import numbers
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import NamedTuple, Sequence
 
-from pipeline_lib.schedules import Action, Schedule, dependencies, splits_backward, validate
+from pipeline_lib.schedules import (Action, Schedule, cycle_collector_paused, destination,
+                                    execution_order)
 
 
-@dataclass(frozen=True)
-class Event:
+class Event(NamedTuple):
+    """One action on one rank, from ``start`` to ``end``. A tuple, like `Action`: the
+    simulator makes one per action, hundreds of thousands for a large pipeline."""
+
     rank: int
     action: Action
     start: float
@@ -58,6 +64,12 @@ class Timeline:
         last backward action (B, or W for split backwards): that is what activation
         memory is proportional to, checkpointing aside.
         """
+        return [round(peak) for peak in self.peak_activations()]
+
+    def peak_activations(self, stage_size: Sequence[float] | None = None) -> list[float]:
+        """`peak_in_flight` with a micro-batch held on stage ``s`` counting
+        ``stage_size[s]`` (1 for every stage if not given): a chunk that holds half as
+        many layers holds half as many activations."""
         last_backward = {}
         for e in self.events:
             if e.action.kind in ("B", "W"):
@@ -65,16 +77,17 @@ class Timeline:
             elif e.action.kind == "I":
                 key = (e.action.stage, e.action.microbatch)
                 last_backward.setdefault(key, e.end)
-        changes: list[list[tuple[float, int]]] = [[] for _ in range(self.ranks)]
+        changes: list[list[tuple[float, float]]] = [[] for _ in range(self.ranks)]
         for e in self.events:
             if e.action.kind == "F":
                 key = (e.action.stage, e.action.microbatch)
-                changes[e.rank].append((e.start, +1))
-                changes[e.rank].append((last_backward.get(key, float("inf")), -1))
+                size = 1.0 if stage_size is None else stage_size[e.action.stage]
+                changes[e.rank].append((e.start, size))
+                changes[e.rank].append((last_backward.get(key, float("inf")), -size))
         peaks = []
         for rank_changes in changes:
-            held = peak = 0
-            for _, delta in sorted(rank_changes):  # at equal times, releases (-1) go first
+            held = peak = 0.0
+            for _, delta in sorted(rank_changes):  # at equal times, releases go first
                 held += delta
                 peak = max(peak, held)
             peaks.append(peak)
@@ -83,7 +96,7 @@ class Timeline:
     def to_dict(self) -> dict:
         return {"ranks": self.ranks, "unit": self.unit, "title": self.title,
                 "events": [{"rank": e.rank, "start": e.start, "end": e.end,
-                            **asdict(e.action)} for e in self.events]}
+                            **e.action._asdict()} for e in self.events]}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Timeline":
@@ -101,12 +114,23 @@ class Timeline:
 Cost = float | Sequence[float]
 
 
+def _check_cost(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} is {value}: a cost is a duration, a finite number >= 0")
+    return value
+
+
 def _per_stage(cost: Cost, stages: int, name: str) -> list[float]:
-    if isinstance(cost, (int, float)):
-        return [float(cost)] * stages
+    if isinstance(cost, numbers.Real):
+        return [_check_cost(cost, name)] * stages
+    if isinstance(cost, (str, bytes)) or not hasattr(cost, "__len__"):
+        raise TypeError(f"{name} must be a number or one number per stage, got {cost!r}")
     if len(cost) != stages:
         raise ValueError(f"{name} has {len(cost)} per-stage costs, expected {stages}")
-    return [float(c) for c in cost]
+    return [_check_cost(c, f"{name}[{s}]") for s, c in enumerate(cost)]
 
 
 def simulate(schedule: Schedule, forward: Cost = 1.0, backward: Cost = 2.0,
@@ -114,42 +138,44 @@ def simulate(schedule: Schedule, forward: Cost = 1.0, backward: Cost = 2.0,
     """Run a schedule on ideal devices: each action starts as soon as its rank is free
     and its inputs have arrived (``comm`` later when they come from another rank).
 
-    Costs are per action, a number or one per stage. ``backward`` is the cost of a full
-    backward; a split backward costs ``backward - weight`` for I and ``weight`` for W
-    (``weight`` defaults to half the backward, as for matrix multiplies, where the input
-    and weight gradients are one GEMM each).
+    Costs are per action, a number or one per stage, finite and >= 0. ``backward`` is the
+    cost of a full backward; a split backward costs ``backward - weight`` for I and
+    ``weight`` for W (``weight`` defaults to half the backward, as for matrix multiplies,
+    where the input and weight gradients are one GEMM each), so ``weight <= backward``.
+
+    Start times follow from the schedule alone (each action starts when its rank's
+    previous action and its inputs are done), so the actions are timed in any order that
+    respects those: `execution_order`'s, which takes time linear in their number.
     """
-    validate(schedule)
     S = schedule.stages
     f = _per_stage(forward, S, "forward")
     b = _per_stage(backward, S, "backward")
     w = _per_stage(weight, S, "weight") if weight is not None else [x / 2 for x in b]
+    for s, (wb, bb) in enumerate(zip(w, b)):
+        if wb > bb:
+            raise ValueError(f"weight cost {wb} of stage {s} exceeds its backward cost {bb}: "
+                             f"backward is the whole backward (I + W), so W cannot cost more")
+    comm = _check_cost(comm, "comm")
     cost = {"F": f, "B": b, "I": [x - y for x, y in zip(b, w)], "W": w}
-    split = splits_backward(schedule)
 
+    with cycle_collector_paused():
+        return _simulate(schedule, cost, comm)
+
+
+def _simulate(schedule: Schedule, cost: dict[str, list[float]], comm: float) -> Timeline:
+    rank_of = [schedule.rank_of(s) for s in range(schedule.stages)]
     end: dict[Action, float] = {}
     clock = [0.0] * schedule.ranks
-    pc = [0] * schedule.ranks
     events = []
-    remaining = sum(len(p) for p in schedule.actions)
-    while remaining:
-        best = None
-        for r, program in enumerate(schedule.actions):
-            if pc[r] == len(program):
-                continue
-            a = program[pc[r]]
-            deps = dependencies(a, S, split)
-            if any(d not in end for d in deps):
-                continue
-            start = max([clock[r]] + [end[d] + (comm if schedule.rank_of(d.stage) != r
-                                                  else 0.0) for d in deps])
-            if best is None or start < best[0]:
-                best = (start, r, a)
-        start, r, a = best  # validate() guarantees progress
-        clock[r] = end[a] = start + cost[a.kind][a.stage]
-        events.append(Event(r, a, start, end[a]))
-        pc[r] += 1
-        remaining -= 1
+    for r, a, deps in execution_order(schedule):
+        start = clock[r]
+        for d in deps:
+            arrival = end[d] + comm if rank_of[d.stage] != r else end[d]
+            if arrival > start:
+                start = arrival
+        clock[r] = end[a] = finish = start + cost[a.kind][a.stage]
+        events.append(Event(r, a, start, finish))
+    events.sort(key=itemgetter(2, 0))   # by start, then rank
     return Timeline(schedule.ranks, events, unit="", title=schedule.name)
 
 
@@ -160,26 +186,89 @@ def bubble_theory(ranks: int, microbatches: int, virtual_stages: int = 1) -> flo
     return (p - 1) / (v * m + p - 1)
 
 
+@dataclass(frozen=True)
+class RankFacts:
+    """One rank's share of a step, in units that compare across schedules.
+
+    Memory counts *stages*, a stage being a ``1/ranks`` share of the model (what a rank
+    holds under 1F1B): a rank holding two chunks of half a stage each (V-shaped, or
+    interleaved with v = 2) holds 1 stage of parameters, and a micro-batch's activations
+    on one chunk count ½. (DeepSeek-V3's table counts at equal stage size instead: its
+    DualPipeV holds 2 of its stages on each of PP/2 ranks, so "2x" parameters there is
+    1 stage here, and its PP + 1 activations are (PP + 1)/2 here.)
+    """
+
+    rank: int
+    busy: float          # time computing
+    bubble: float        # idle time in the step: makespan - busy
+    gaps: float          # idle time between this rank's first start and last end
+    activations: float   # peak, in stage-micro-batches
+    parameters: float    # stages held
+    messages: int        # activations and gradients sent to other ranks per step
+
+
+def rank_facts(schedule: Schedule, timeline: Timeline) -> list[RankFacts]:
+    """Per rank: bubble, peak activations, parameters and messages of ``schedule`` in
+    ``timeline`` (simulated, with whatever ``comm`` it was given, or measured). ``gaps``
+    is the bubble left when consecutive steps overlap, as Qi et al.'s ZB-H2 lets them
+    (its optimizer step does not wait for every rank): the fill and drain at the edges
+    then cost nothing."""
+    S, p = schedule.stages, schedule.ranks
+    if timeline.ranks != p:
+        raise ValueError(f"the timeline has {timeline.ranks} ranks, the schedule {p}: give "
+                         f"the timeline of one pipeline (one replica) of {schedule.name}")
+    peaks = timeline.peak_activations([p / S] * S)
+    busy, span = timeline.busy(), timeline.makespan
+    first, last = [math.inf] * p, [-math.inf] * p
+    for e in timeline.events:
+        first[e.rank], last[e.rank] = min(first[e.rank], e.start), max(last[e.rank], e.end)
+    facts = []
+    for r in range(p):
+        own_span = max(last[r] - first[r], 0.0)
+        sends = sum(1 for a in schedule.actions[r] if (d := destination(a, S)) is not None
+                    and schedule.rank_of(d) != r)
+        facts.append(RankFacts(r, busy[r], span - busy[r], own_span - busy[r], peaks[r],
+                               len(schedule.stages_on(r)) * p / S, sends))
+    return facts
+
+
+def summary(schedule: Schedule, timeline: Timeline) -> dict:
+    """One row of a table that compares schedules: the step's makespan and bubble share,
+    and the worst rank's bubble, peak activations and parameters (`RankFacts` units), and
+    the messages of the whole step."""
+    facts = rank_facts(schedule, timeline)
+    return {"schedule": schedule.name, "ranks": schedule.ranks,
+            "microbatches": schedule.microbatches, "makespan": timeline.makespan,
+            "bubble_fraction": timeline.bubble_fraction(),
+            "bubble": max(f.bubble for f in facts),
+            "activations": max(f.activations for f in facts),
+            "parameters": max(f.parameters for f in facts),
+            "messages": sum(f.messages for f in facts)}
+
+
 def simulate_measured(schedule: Schedule, timeline: Timeline) -> Timeline:
     """The simulator fed this run's mean time per (stage, action kind): what the schedule
     would do on these stages with free communication and no overhead. Its bubble is the
-    one a measured run should approach."""
+    one a measured run should approach. A stage that splits its backwards is simulated
+    with B = I + W, also for the micro-batches it does not split (DualPipeV)."""
     durations: dict[tuple[int, str], list[float]] = defaultdict(list)
     for e in timeline.events:
         durations[(e.action.stage, e.action.kind)].append(e.duration)
 
-    def mean(kind: str) -> list[float]:
-        missing = [s for s in range(schedule.stages) if not durations[(s, kind)]]
-        if missing:
-            raise ValueError(f"the timeline has no {kind} action on stages {missing}: it is "
-                             f"not a run of {schedule.name} with {schedule.stages} stages")
-        return [sum(d) / len(d) for d in (durations[(s, kind)] for s in range(schedule.stages))]
+    def mean(stage: int, kind: str) -> float | None:
+        d = durations[(stage, kind)]
+        return sum(d) / len(d) if d else None
 
-    if splits_backward(schedule):
-        weight = mean("W")
-        backward = [i + w for i, w in zip(mean("I"), weight)]
-        simulated = simulate(schedule, mean("F"), backward, weight)
-    else:
-        simulated = simulate(schedule, mean("F"), mean("B"))
+    forward, backward, weight = [], [], []
+    for s in range(schedule.stages):
+        f, b, i, w = (mean(s, kind) for kind in "FBIW")
+        if f is None or (b is None and (i is None or w is None)):
+            raise ValueError(f"the timeline has no forward or no backward on stage {s}: it "
+                             f"is not a run of {schedule.name} with {schedule.stages} stages")
+        split = i is not None and w is not None
+        forward.append(f)
+        backward.append(i + w if split else b)
+        weight.append(w if split else b / 2)
+    simulated = simulate(schedule, forward, backward, weight)
     simulated.unit = timeline.unit   # the costs were measured in the timeline's unit
     return simulated

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline_lib.distributed import DistributedPipe
-from pipeline_lib.distributed.mesh import init_mesh, process_group
+from pipeline_lib.distributed import init_mesh, process_group
 from workloads import padded_batch, token_model, token_sum, tree_batch, tree_model
 
 MICROBATCHES, EARLIER = 4, 0.25

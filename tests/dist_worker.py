@@ -1,19 +1,24 @@
 """One rank of the multi-process tests; `test_distributed.py` launches it with torchrun.
 
 ``--scenario schedules --meshes 4x1,2x2 --out DIR``: for each ``pp x dp`` mesh, every
-schedule (and 1F1B recomputing every micro-batch, and with dropout) on a tiny Transformer
-LM, saving each rank's loss, gradients (by the full model's parameter names) and
-parameters after one SGD step, and rank 0's timeline. Each runs two steps on one batch and
-saves the second: its messages travel as one buffer each, into receives posted early.
+schedule (and 1F1B recomputing every micro-batch, and with dropout; interleaved 1F1B on
+the plain transport, `post_early=False`) on a tiny Transformer LM, saving each rank's
+loss, gradients (by the full model's parameter names) and parameters after one SGD step,
+and rank 0's timeline. Each runs two steps on one batch and saves the second: its
+messages travel into receives posted early (except on the plain transport).
 ``shapes`` trains on batches whose sequence length changes, saving every step's loss.
-``raise``, ``mismatch`` and ``reshape`` fail, to check that every rank stops: in
-``raise``, rank 0 is then in the middle of a 2-minute forward, which only its watchdog
-can interrupt.
+The other scenarios fail, to check that every rank stops and the output says why: in
+``raise``, rank 1 raises while rank 0 is in the middle of a 2-minute forward; in
+``killed``, rank 1's process is killed while rank 0 waits for its message; ``mismatch``
+and ``reshape`` send what the receiver cannot use; ``mesh_args`` gives the ranks
+different `init_mesh` arguments, and in ``steps`` rank 1 runs one step fewer.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Callable
@@ -23,14 +28,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline_lib.distributed import DistributedPipe
-from pipeline_lib.distributed.mesh import init_mesh, process_group
+from pipeline_lib.distributed.job import process_group
+from pipeline_lib.distributed.mesh import init_mesh
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.schedules import Action, Schedule
 
 VOCAB, ROWS, SEQ, MICROBATCHES, LR, DROPOUT = 50, 10, 6, 4, 0.1, 0.2
 SLEEP = 120   # seconds: far longer than the test lets a failed run take
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "reordered", "1f1b-recompute",
-             "1f1b-dropout"]
+             "1f1b-dropout", "interleaved_1f1b-plain"]
 ONLY_ON = {"reordered": "2x1", "1f1b-dropout": "x1"}   # meshes (suffixes) they run on
 
 
@@ -72,11 +78,12 @@ def run_schedules(meshes: list[tuple[int, int]], out: Path) -> None:
                 continue
             model = tiny_lm(DROPOUT if name == "1f1b-dropout" else 0.0)
             names = {id(p): n for n, p in model.named_parameters()}
-            stages = 2 * pp if name == "interleaved_1f1b" else pp
+            stages = 2 * pp if name.startswith("interleaved_1f1b") else pp
             balance = [len(model) // stages] * stages
             schedule = reordered(MICROBATCHES) if name == "reordered" else name.split("-")[0]
             checkpoint = "always" if name == "1f1b-recompute" else "never"
-            pipe = DistributedPipe(model, mesh, balance, MICROBATCHES, schedule, checkpoint)
+            pipe = DistributedPipe(model, mesh, balance, MICROBATCHES, schedule, checkpoint,
+                                   post_early=not name.endswith("plain"))
             params = list(pipe.parameters())
             for _ in range(2):
                 for p in params:
@@ -147,13 +154,27 @@ def boom() -> None:
     raise RuntimeError("boom: injected failure")
 
 
-def run_failing(scenario: str) -> None:
-    mesh = init_mesh(2, timeout=60)
+def killed() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_failing(scenario: str, timeout: float) -> None:
+    rank = int(os.environ["RANK"])
+    if scenario == "mesh_args":
+        init_mesh(*((2, 1) if rank == 0 else (1, 2)), timeout=timeout)
+    mesh = init_mesh(2, timeout=timeout)
     torch.manual_seed(0)
+    steps = 2
     if scenario == "raise":   # rank 1 fails while rank 0 is busy in a long forward
         model = nn.Sequential(nn.Linear(8, 8), Hiccup(3, lambda: time.sleep(SLEEP)),
                               nn.Linear(8, 4), Hiccup(2, boom))
         balance = [2, 2]
+    elif scenario == "killed":   # rank 1 dies at its last forward; rank 0 waits for it
+        model = nn.Sequential(nn.Linear(8, 4), Hiccup(MICROBATCHES, killed))
+        balance = [1, 1]
+    elif scenario == "steps":
+        model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 4))
+        balance, steps = [1, 1], 3 - rank
     elif scenario == "mismatch":  # stage 0 produces 16 features, stage 1 expects 12
         model = nn.Sequential(nn.Linear(8, 16), nn.Linear(12, 4))
         balance = [1, 1]
@@ -161,27 +182,28 @@ def run_failing(scenario: str) -> None:
         model = nn.Sequential(nn.Linear(8, 8), Narrowing(), SumFeatures())
         balance = [2, 1]
     pipe = DistributedPipe(model, mesh, balance, MICROBATCHES, "gpipe")
-    for _ in range(2):
+    for _ in range(steps):
         pipe.step(torch.randn(8, 8), torch.randn(8, 1 if scenario == "reshape" else 4),
                   F.mse_loss)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", choices=["schedules", "shapes", "raise", "mismatch",
-                                               "reshape"])
+    parser.add_argument("--scenario", choices=["schedules", "shapes", "raise", "killed",
+                                               "mismatch", "reshape", "mesh_args", "steps"])
     parser.add_argument("--meshes", default="2x1", help="pp x dp meshes, comma-separated")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    with process_group(backend="gloo", timeout=60):
+    with process_group(backend="gloo", timeout=args.timeout):
         if args.scenario == "schedules":
             meshes = [tuple(int(n) for n in m.split("x")) for m in args.meshes.split(",")]
             run_schedules(meshes, args.out)
         elif args.scenario == "shapes":
             run_shapes(args.out)
         else:
-            run_failing(args.scenario)
+            run_failing(args.scenario, args.timeout)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline_lib.notebook_workers.data_parallel import (data_parallel_step, gather, parallel_apply,
-                                        read_ddp_replicas, reduce_gradients, replicate,
-                                        scatter, write_ddp_setup)
+from pipeline_lib.notebook_workers.data_parallel import (data_parallel_step, parallel_apply,
+                                                         parallel_gather, read_ddp_replicas,
+                                                         reduce_gradients, replicate, scatter,
+                                                         write_ddp_setup)
 from pipeline_lib.distributed.launch import torchrun
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.lm.loops import lm_loss
@@ -41,7 +42,7 @@ def test_replicas_are_independent_copies():
 def test_four_primitives_compute_the_module_output():
     model, inputs = tiny_model(), torch.randint(0, 40, (5, 6))
     outputs = parallel_apply(replicate(model, CPUS), scatter(inputs, CPUS))
-    torch.testing.assert_close(gather(outputs, "cpu"), model(inputs))
+    torch.testing.assert_close(parallel_gather(outputs, "cpu"), model(inputs))
 
 
 def test_parallel_apply_names_the_failing_replica():
@@ -74,10 +75,39 @@ def test_reduce_gradients_adds_to_existing_gradients():
     assert model.bias.grad is None
 
 
+def fake_results(folder, ranks, world_size):
+    """Files as the processes of a run of ``world_size`` save them, for ``ranks``."""
+    for rank in ranks:
+        torch.save({"world_size": world_size,
+                    "value": {"state_dict": {}, "losses": [float(rank)]}},
+                   folder / f"ddp_rank{rank}.pt")
+
+
+def test_replicas_are_read_in_rank_order_not_name_order(tmp_path):
+    fake_results(tmp_path, range(12), 12)
+    assert [r.losses for r in read_ddp_replicas(tmp_path)] == [[r] for r in range(12)]
+
+
+def test_a_run_that_did_not_finish_is_refused(tmp_path):
+    fake_results(tmp_path, [0, 2], 3)
+    with pytest.raises(FileNotFoundError, match=r"ranks \[0, 2\], not of ranks 0 to 2 of "
+                                                r"one run: the last run did not finish"):
+        read_ddp_replicas(tmp_path)
+
+
+def test_a_new_setup_removes_the_last_jobs_results(tmp_path):
+    fake_results(tmp_path, range(2), 2)
+    write_ddp_setup(tmp_path, CONFIG, tiny_model(), [], lr=0.5)
+    with pytest.raises(FileNotFoundError, match="no results in .*: run `torchrun "
+                                                "--nproc-per-node 2 -m pipeline_lib"):
+        read_ddp_replicas(tmp_path)
+
+
 def test_ddp_replicas_stay_identical_and_equal_one_process(tmp_path):
     model = tiny_model()
     batches = [tuple(torch.randint(0, 40, (2, 4, 6))) for _ in range(2)]
     write_ddp_setup(tmp_path, CONFIG, model, batches, lr=0.5)
+    fake_results(tmp_path, [2], 3)   # left by an earlier run on 3 processes: not read
     torchrun("pipeline_lib.notebook_workers.data_parallel", [tmp_path], nproc=2, timeout=120)
     first, second = read_ddp_replicas(tmp_path)
     for name, value in first.state_dict.items():

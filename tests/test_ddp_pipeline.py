@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline_lib.notebook_workers.ddp_pipeline import (ReplicaLoss, Setup, last_step_timeline, read_records,
-                                       write_setup)
+from pipeline_lib.notebook_workers.ddp_pipeline import (ReplicaLoss, Setup, last_step_timeline,
+                                                        read_records, write_ddp_pipeline_setup)
 from pipeline_lib.distributed.launch import torchrun
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.schedules import build
@@ -35,7 +35,7 @@ def make_setup() -> Setup:
 def job(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("ddp_pipeline")
     setup = make_setup()
-    write_setup(workdir, setup)
+    write_ddp_pipeline_setup(workdir, setup)
     torchrun("pipeline_lib.notebook_workers.ddp_pipeline", [str(workdir)], nproc=PP * DP, timeout=150)
     return setup, read_records(workdir)
 
@@ -123,7 +123,9 @@ def test_replica_loss_is_token_weighted():
 
 
 def test_missing_records_name_the_command_to_run(tmp_path):
-    write_setup(tmp_path, make_setup())
+    for rank in range(PP * DP):   # an earlier job's records: a new setup removes them
+        (tmp_path / f"rank{rank}.pt").write_bytes(b"stale")
+    write_ddp_pipeline_setup(tmp_path, make_setup())
     with pytest.raises(FileNotFoundError, match="torchrun --nproc-per-node 4 -m "
                                                 "pipeline_lib.notebook_workers.ddp_pipeline"):
         read_records(tmp_path)

@@ -2,14 +2,15 @@
 
 Processes are real: torchrun launches `dist_worker.py` on gloo. Each launch runs every
 schedule and saves what each rank computed; the tests compare it with unpipelined
-training in this process. Six launches in all (2 and 4 processes, changing shapes, three
-failures).
+training in this process. Ten launches in all (2 and 4 processes, changing shapes,
+seven failures, one of them across two torchrun "machines").
 """
 from __future__ import annotations
 
 import json
 import os
-import signal
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ import torch
 
 import dist_worker as worker
 from pipeline_lib import Pipe
+from pipeline_lib.distributed.launch import kill_job
 from pipeline_lib.distributed.p2p import send_order
 from pipeline_lib.schedules import build, plan
 from pipeline_lib.timeline import Timeline, simulate, simulate_measured
@@ -30,21 +32,34 @@ CASES = [(mesh, name) for mesh in ("2x1", "4x1", "2x2") for name in worker.SCHED
          if worker.runs_on(mesh, name)]
 
 
-def torchrun(nproc: int, *args: str) -> tuple[subprocess.CompletedProcess, float]:
-    """Run the worker; past the deadline, kill torchrun and its workers (one session)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+def torchrun(nproc: int, *args: str, machines: int = 1,
+             flags: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, float]:
+    """Run the worker, ``nproc`` processes per machine; past the deadline, kill torchrun
+    and its workers. ``machines`` > 1 starts that many torchrun agents, as on separate
+    machines: each stops only its own workers when one fails."""
+    if machines == 1:
+        where = ["--standalone"]
+    else:
+        with socket.socket() as free:
+            free.bind(("localhost", 0))
+            port = free.getsockname()[1]
+        where = [f"--nnodes={machines}", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}"]
+    command = [sys.executable, "-m", "torch.distributed.run", *where, *flags,
                "--nproc_per_node", str(nproc), str(REPO / "tests" / "dist_worker.py"), *args]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=env, cwd=REPO, start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"torchrun {' '.join(args)} hung for {LAUNCH_TIMEOUT} s:\n{stdout}{stderr}")
-    done = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    processes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, env=env, cwd=REPO, start_new_session=True)
+                 for _ in range(machines)]
+    outputs, codes = [], []
+    for process in processes:
+        try:
+            outputs.append(process.communicate(timeout=LAUNCH_TIMEOUT)[0])
+        except subprocess.TimeoutExpired:
+            hung = "\n".join(kill_job(p) for p in processes)
+            pytest.fail(f"torchrun {' '.join(args)} hung for {LAUNCH_TIMEOUT} s:\n{hung}")
+        codes.append(process.returncode)
+    done = subprocess.CompletedProcess(command, max(codes, key=abs), "\n".join(outputs), "")
     return done, time.monotonic() - start
 
 
@@ -133,33 +148,73 @@ def test_timeline_has_every_action_in_program_order(results, mesh, name):
         assert all(a.end <= b.start for a, b in zip(events, events[1:]))
 
 
-def test_failing_rank_stops_every_rank_and_names_it():
-    """Rank 0 is computing (a long forward) when rank 1 fails: its watchdog must stop it
-    (no error of its own: "here: ..." would mean a failed wait noticed it instead)."""
-    done, seconds = torchrun(2, "--scenario", "raise")
-    output = done.stdout + done.stderr
+def failing_run(nproc: int, *args: str, within: float = 60, **how: object) -> str:
+    """The output of a launch that must fail, every rank stopped within ``within`` s."""
+    done, seconds = torchrun(nproc, *args, **how)  # type: ignore[arg-type]
     assert done.returncode != 0
-    assert seconds < 60 < worker.SLEEP
+    assert seconds < within
+    return done.stdout + done.stderr
+
+
+def failed_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if re.match(r"rank \d+ failed", line)]
+
+
+def test_failing_rank_stops_every_rank_and_names_it():
+    """Rank 0 is computing (a forward of `worker.SLEEP` = 120 s) when rank 1 fails:
+    torchrun stops it, and rank 1's error is the one reported."""
+    output = failing_run(2, "--scenario", "raise")
+    [failed] = failed_lines(output)
+    assert failed.startswith("rank 1 failed: RuntimeError: boom: injected failure")
+    assert "running 1F1 of GPipe" in failed
+
+
+def test_watchdog_stops_a_rank_on_another_machine():
+    """torchrun on rank 0's machine does not stop it when rank 1 fails on another: the
+    watchdog does, naming rank 1's error (not a failed wait of its own: "here: ...")."""
+    output = failing_run(1, "--scenario", "raise", machines=2, within=90)
     assert "rank 1 failed: RuntimeError: boom: injected failure" in output
-    assert "running 1F1 of GPipe" in output
     stopped = [line for line in output.splitlines() if line.startswith("rank 0: stopping")]
     assert len(stopped) == 1 and "because rank 1 failed" in stopped[0]
     assert "(here:" not in stopped[0]
 
 
+def test_killed_rank_is_reported_lost_not_as_the_failure_of_the_rank_that_noticed():
+    """Rank 1's process dies without a word (like the OOM killer's victim) while rank 0
+    waits for its message. (torchrun looks every 2 s, so that rank 0 notices first.)"""
+    output = failing_run(2, "--scenario", "killed", flags=("--monitor-interval=2",))
+    assert ("rank 1 lost: its process ended without reporting an error (killed, e.g. by "
+            "the out-of-memory killer?) while rank 0 was receiving the gradient for stage 0"
+            in output)
+    assert failed_lines(output) == []
+
+
+def test_ranks_given_different_mesh_arguments_are_named():
+    output = failing_run(2, "--scenario", "mesh_args")
+    assert ("the ranks were given different init_mesh arguments: rank 0 has {'pp': 2, "
+            "'dp': 1, 'timeout': 60.0}; rank 1 has {'pp': 1, 'dp': 2, 'timeout': 60.0}"
+            in output)
+
+
+def test_ranks_running_different_step_counts_are_named():
+    """Rank 1 runs one step fewer: one of them times out (after 10 s) and says why."""
+    output = failing_run(2, "--scenario", "steps", "--timeout", "10")
+    assert "the ranks ran different numbers of steps" in output or \
+        "did the ranks run different numbers of steps?" in output, output
+
+
 def test_shape_mismatch_between_stages_is_reported_not_hung():
-    done, seconds = torchrun(2, "--scenario", "mismatch")
-    output = done.stdout + done.stderr
-    assert done.returncode != 0
-    assert seconds < 60
+    """Rank 0 notices through its closed connection to rank 1 (torchrun, looking every
+    2 s, has not stopped it yet) and names rank 1's error, not its own."""
+    output = failing_run(2, "--scenario", "mismatch", flags=("--monitor-interval=2",))
     assert "rank 0: stopping because rank 1 failed: RuntimeError: mat1 and mat2" in output
     assert "stage 1's input for micro-batch 0, from stage 0 on pipe rank 0, was " \
            "float32[2, 16]" in output
 
 
 def test_steps_whose_shapes_change_equal_unpipelined_training(tmp_path):
-    """A step with a new shape exchanges headers again; one with the last step's shape
-    sends one buffer per message, into receives sized by the last step."""
+    """A step with a new shape waits for each header again; one with the last step's
+    shapes receives into buffers posted early, sized by the last step's headers."""
     done, _ = torchrun(2, "--scenario", "shapes", "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     model, (inputs, target) = worker.tiny_lm(), worker.batch()
@@ -172,10 +227,7 @@ def test_steps_whose_shapes_change_equal_unpipelined_training(tmp_path):
 
 
 def test_output_shape_that_changes_without_the_batch_is_reported_not_hung():
-    done, seconds = torchrun(2, "--scenario", "reshape")
-    output = done.stdout + done.stderr
-    assert done.returncode != 0
-    assert seconds < 60
+    output = failing_run(2, "--scenario", "reshape")
     assert ("rank 0 failed: ProtocolError: rank 0: the activation for stage 1, micro-batch 0 "
             "is float32[2, 4] in this step but was float32[2, 8] in the last one") in output
 

@@ -3,7 +3,11 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import errno  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
 from pipeline_lib import bubble_theory  # noqa: E402
 from pipeline_lib.viz.figures import (  # noqa: E402
@@ -39,3 +43,18 @@ def test_the_drawn_timelines_have_the_bubbles_the_text_quotes():
         pytest.approx(bubble_theory(p, m, v))
     # ZB-H1 with F = I = W: each rank idles (p - 1)·F instead of 1F1B's (p - 1)·3F
     assert timelines["zb_h1"].bubble_fraction() == pytest.approx((p - 1) / (3 * m + p - 1))
+
+
+def test_a_failed_write_keeps_the_last_good_png(tmp_path, monkeypatch):
+    """A full disk mid-write must not replace a good PNG with a truncated one."""
+    main([str(tmp_path)])
+    good = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+
+    def disk_full(self: Figure, fname: str | Path, **kwargs: object) -> None:
+        Path(fname).write_bytes(b"\x89PNG\r\n")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        main([str(tmp_path)])
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == good

@@ -198,6 +198,31 @@ def test_balance_by_time_isolates_heavy_layer():
     assert balance == [3, 1, 2]  # the big Linear has a stage to itself
 
 
+def test_layer_times_charges_the_loss_to_the_last_layer():
+    """A costly loss (an LM's cross-entropy over its vocabulary) runs on the last stage,
+    so with ``loss_fn`` the last layer's time includes it and balance_by_time gives that
+    layer a stage of its own. The loss here sleeps 50 ms in forward: a lower bound on
+    the measured time that no amount of machine noise can undercut."""
+    import time as clock
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3))
+    sample, target = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    seen = []
+
+    def slow_loss(output, labels):
+        seen.append((tuple(output.shape), labels))
+        clock.sleep(0.05)
+        return nn.functional.cross_entropy(output, labels)
+
+    times = layer_times(model, sample, repeats=3, loss_fn=slow_loss, target=target)
+    assert len(seen) == 1 + 3  # warm-up plus repeats, on the last layer only
+    assert all(shape == (4, 3) and torch.equal(labels, target) for shape, labels in seen)
+    assert times[-1] >= 0.05 > max(times[:-1])
+    assert balance_by_time(model, sample, 2, repeats=3, loss_fn=slow_loss,
+                           target=target) == [3, 1]
+    with pytest.raises(ValueError, match="give loss_fn and target together"):
+        layer_times(model, sample, loss_fn=slow_loss)
+
+
 def test_profiling_leaves_model_and_sample_untouched():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
     sample = torch.randn(8, 4, requires_grad=True)

@@ -5,11 +5,18 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.colors import to_rgba  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from pipeline_lib import Action, Event, Timeline, bubble_theory, simulate  # noqa: E402
-from pipeline_lib.viz.plot import KIND_COLOURS, bubble_vs_microbatches, gantt  # noqa: E402
+from pipeline_lib.viz.plot import (  # noqa: E402
+    KIND_COLOURS,
+    LABEL_POINTS,
+    bubble_vs_microbatches,
+    gantt,
+    mark,
+)
 from pipeline_lib.schedules import gpipe, interleaved_1f1b, one_f_one_b, zb_h1  # noqa: E402
 
 
@@ -17,10 +24,15 @@ def axes(width: float = 12, height: float = 3):
     return Figure(figsize=(width, height)).subplots()
 
 
+def action_collections(ax):
+    """The boxes of actions (one collection per rank and model chunk), idle rows excluded."""
+    return [c for c in ax.collections if c.get_zorder() == 1]
+
+
 def boxes(ax):
     """(rank, start, duration, rgba) of every drawn action box, background rows excluded."""
     found = []
-    for collection in ax.collections[1::2]:     # each rank: idle row, then its actions
+    for collection in action_collections(ax):
         for path, colour in zip(collection.get_paths(), collection.get_facecolors()):
             box = path.get_extents()
             found.append((round(box.y0 + 0.4), round(box.x0, 9), round(box.width, 9),
@@ -52,6 +64,16 @@ def test_title_states_the_bubble_fraction():
     assert gantt(timeline, ax=axes()).get_title(loc="left").startswith("GPipe: bubble")
 
 
+def test_a_measured_title_states_the_step_time_first():
+    events = [Event(0, Action(0, "F", 0), 10.0, 10.004),
+              Event(1, Action(1, "F", 0), 10.004, 10.0125)]
+    ax = gantt(Timeline(2, events, unit="s"), ax=axes(), title="GPipe, measured")
+    assert ax.get_title(loc="left") == "GPipe, measured: step 12.5 ms, bubble 50%"
+    long = [Event(0, Action(0, "F", 0), 0.0, 2.5)]
+    assert gantt(Timeline(1, long, unit="s"), ax=axes()).get_title(loc="left") == \
+        "step 2.5 s, bubble 0%"
+
+
 def test_boxes_carry_microbatch_numbers_and_interleaved_ones_their_stage():
     timeline = simulate(one_f_one_b(2, 3))
     texts = sorted(t.get_text() for t in gantt(timeline, ax=axes()).texts)
@@ -61,6 +83,27 @@ def test_boxes_carry_microbatch_numbers_and_interleaved_ones_their_stage():
     texts = [t.get_text() for t in gantt(timeline, ax=axes(width=30)).texts]
     assert sorted(t for t in texts if t.startswith("s")) == \
         sorted(f"s{e.action.stage}" for e in timeline.events)
+
+
+def test_every_label_is_at_least_8_points():
+    for timeline in (simulate(one_f_one_b(2, 3)), simulate(interleaved_1f1b(2, 4, 2))):
+        ax = gantt(timeline, ax=axes(width=30))
+        assert ax.texts and all(t.get_fontsize() >= LABEL_POINTS >= 8 for t in ax.texts)
+
+
+def test_stages_are_left_out_where_two_lines_do_not_fit():
+    timeline = simulate(interleaved_1f1b(4, 4, 2))
+    flat = [t.get_text() for t in gantt(timeline, ax=axes(width=30, height=1.2)).texts]
+    assert flat and not any(t.startswith("s") for t in flat)
+
+
+def test_later_chunks_are_hatched_the_first_not():
+    ax = gantt(simulate(interleaved_1f1b(2, 4, 2)), ax=axes(width=30))
+    hatches = [c.get_hatch() for c in action_collections(ax)]
+    assert hatches == [None, "///"] * 2                     # per rank: chunk 1, chunk 2
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "chunk 2 of a rank" in legend
+    assert gantt(simulate(gpipe(2, 2)), ax=axes()).collections[1].get_hatch() is None
 
 
 def test_later_chunks_are_paler_also_with_replicas():
@@ -99,6 +142,27 @@ def test_measured_timelines_start_at_zero_in_milliseconds():
     assert ax.get_xlabel() == "time (ms)"
     assert ax.get_xlim() == pytest.approx((0, 5))
     assert [b[1] for b in boxes(ax)] == pytest.approx([0, 3])
+
+
+def test_marks_sit_on_row_edges_off_the_labels_and_join_the_legend():
+    timeline = simulate(one_f_one_b(2, 4), forward=0.01, backward=0.02)
+    timeline.unit = "s"
+    ax = gantt(timeline, ax=axes())
+    times = [(e.start + e.end) / 2 for e in timeline.events if e.action.kind == "B"]
+    rows = [e.rank for e in timeline.events if e.action.kind == "B"]
+    mark(ax, timeline, times, rows, "all-reduce")
+    (line,) = ax.lines
+    assert list(line.get_xdata()) == pytest.approx([t * 1e3 for t in times])   # ms from 0
+    assert list(line.get_ydata()) == pytest.approx([r - 0.4 for r in rows])
+    canvas = FigureCanvasAgg(ax.figure)     # right above each box's label
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    half = line.get_markersize() / 2 * ax.figure.dpi / 72
+    labels = [t.get_window_extent(renderer) for t in ax.texts]
+    for x, y in ax.transData.transform(list(zip(line.get_xdata(), line.get_ydata()))):
+        assert not any(b.x0 < x + half and x - half < b.x1 and b.y0 < y + half and
+                       y - half < b.y1 for b in labels), "a marker covers a label"
+    assert [t.get_text() for t in ax.get_legend().get_texts()][-1] == "all-reduce"
 
 
 def test_without_axes_it_makes_a_figure():

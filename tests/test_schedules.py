@@ -4,24 +4,22 @@ import itertools
 
 import pytest
 
-from pipeline_lib.schedules import (Action, Schedule, ScheduleError, build, dependencies,
-                                    gpipe, interleaved_1f1b, one_f_one_b, splits_backward,
-                                    validate, zb_h1)
+from pipeline_lib.schedules import (BUILDERS, LOOPED, Action, Schedule, ScheduleError, build,
+                                    dependencies, dualpipe_v, gpipe, interleaved_1f1b,
+                                    one_f_one_b, plan, rounds, splits_backward, v_shape,
+                                    validate, zb_h1, zb_v)
 from pipeline_lib.timeline import bubble_theory, simulate
 
-
-def all_schedules():
-    for p, m in itertools.product(range(1, 5), range(1, 9)):
-        yield gpipe(p, m)
-        yield one_f_one_b(p, m)
-        yield zb_h1(p, m)
-        if m % p == 0:
-            for v in (2, 3):
-                yield interleaved_1f1b(p, m, v)
+# Every builder, on 1-5 ranks, with micro-batch counts below, at and above the ranks and
+# stages, multiples or not; looped ones with 1-3 chunks per rank. Built inside the test.
+SIZES = [(name, p, m, v) for name in BUILDERS for p, m in itertools.product(range(1, 6), range(1, 12))
+         for v in ((1, 2, 3) if name in LOOPED else (2,))]
 
 
-@pytest.mark.parametrize("schedule", list(all_schedules()), ids=lambda s: f"{s.name}-p{s.ranks}-m{s.microbatches}")
-def test_builtin_schedules_are_valid_and_simulate_respecting_dependencies(schedule):
+@pytest.mark.parametrize("name,p,m,v", SIZES, ids=lambda x: str(x))
+def test_builtin_schedules_are_valid_and_simulate_respecting_dependencies(name, p, m, v):
+    schedule = build(name, p, m, v)
+    assert (schedule.ranks, schedule.microbatches) == (p, m)
     validate(schedule)
     timeline = simulate(schedule)
     end = {e.action: e.end for e in timeline.events}
@@ -77,15 +75,42 @@ def test_zb_h1_smaller_bubble_same_peak_memory(p, m):
     assert zb.makespan == pytest.approx(3 * m + (p - 1) * 1)
 
 
-def test_interleaved_needs_a_multiple_of_ranks():
-    with pytest.raises(ValueError, match="not a multiple of 4"):
-        interleaved_1f1b(4, 6, 2)
+@pytest.mark.parametrize("p,m", [(4, 6), (4, 9), (3, 7), (2, 5), (4, 3), (4, 1)])
+def test_interleaved_runs_any_number_of_microbatches_in_rounds(p, m):
+    """PyTorch's rounds: max(1, m // p) groups, which run chunk by chunk; where PyTorch
+    needs m divisible by them, the first groups take one more. From m = p on, the bubble
+    is the formula's, multiple of p or not."""
+    groups = rounds(p, m)
+    assert [i for g in groups for i in g] == list(range(m))
+    assert len(groups) == max(1, m // p) and max(map(len, groups)) - min(map(len, groups)) <= 1
+    t = simulate(interleaved_1f1b(p, m, 2), forward=0.5, backward=1.0)
+    if m >= p:
+        assert t.bubble_fraction() == pytest.approx(bubble_theory(p, m, 2))
 
 
 def test_build_by_name():
     assert build("1f1b", 2, 4).actions == one_f_one_b(2, 4).actions
+    assert build("interleaved_1f1b", 2, 4, 3).actions == interleaved_1f1b(2, 4, 3).actions
+    assert build("zb_v", 2, 4).actions == zb_v(2, 4).actions
     with pytest.raises(ValueError, match="unknown schedule 'pipedream'"):
         build("pipedream", 2, 4)
+
+
+def test_v_shaped_schedules_place_stages_down_and_back_up():
+    s = zb_v(3, 6)
+    assert v_shape(3) == (0, 1, 2, 2, 1, 0)
+    assert [s.rank_of(stage) for stage in range(6)] == [0, 1, 2, 2, 1, 0]
+    assert s.stages_on(0) == [0, 5] and s.stages_on(2) == [2, 3]
+    assert {a.stage for a in s.actions[1]} == {1, 4}
+    assert one_f_one_b(3, 6).rank_of(2) == 2 and interleaved_1f1b(3, 6).rank_of(4) == 1
+
+
+def test_plan_builds_v_shaped_schedules_with_two_stages_per_rank():
+    assert plan("dualpipe_v", 2, 4, 4).placement == (0, 1, 1, 0)
+    with pytest.raises(ValueError, match=r"zb_v runs 2 stage\(s\) per rank: .* give 4 entries"):
+        plan("zb_v", 2, 2, 4)
+    with pytest.raises(TypeError, match="a name in .* or a Schedule, got NoneType"):
+        plan(None, 2, 2, 4)
 
 
 def _broken(actions, ranks=2, m=2):
@@ -140,3 +165,46 @@ def test_weight_gradient_before_input_gradient_is_rejected():
     program[i], program[w] = program[w], program[i]
     with pytest.raises(ScheduleError, match=r"1W0 .* waits for 1I0"):
         validate(s)
+
+
+def test_placement_must_name_a_rank_for_every_stage():
+    s = zb_v(2, 2)
+    s.placement = (0, 1, 1)
+    with pytest.raises(ScheduleError, match=r"placement \[0, 1, 1\] must give a rank in "
+                                            r"0..1 for each of the 4 stages"):
+        validate(s)
+    s.placement = (0, 0, 0, 0)
+    with pytest.raises(ScheduleError, match=r"gives no stage to ranks \[1\]"):
+        validate(s)
+    s = zb_v(2, 2)
+    s.placement = None   # looped: stage 3 would live on rank 1, but rank 0 runs it
+    with pytest.raises(ScheduleError, match="rank 0 step .*: 3F0 belongs to stage 3, which "
+                                            "lives on rank 1"):
+        validate(s)
+
+
+def test_a_backward_may_be_split_for_some_microbatches_but_not_twice_for_one():
+    """DualPipeV runs full backwards in its steady state and split ones at the end: what
+    the next stage waits for is then the B or the I of that micro-batch."""
+    s = dualpipe_v(2, 4)
+    split = splits_backward(s)
+    assert split and len(split) < s.stages * s.microbatches
+    validate(s)
+    assert dependencies(Action(0, "B", 0), 4, {(1, 0)}) == [Action(0, "F", 0), Action(1, "I", 0)]
+    assert dependencies(Action(0, "B", 0), 4, set()) == [Action(0, "F", 0), Action(1, "B", 0)]
+    stage, i = next(iter(split))
+    s.actions[s.rank_of(stage)].append(Action(stage, "B", i))
+    with pytest.raises(ScheduleError, match=f"mixes a full backward B with split I/W "
+                                            f"backwards of the same micro-batch {i}"):
+        validate(s)
+    s = zb_h1(2, 2)
+    s.actions[1].remove(Action(1, "W", 1))
+    with pytest.raises(ScheduleError, match="stage 1 never runs W of micro-batch 1"):
+        validate(s)
+
+
+def test_1f1b_closed_form_holds_on_a_large_pipeline():
+    """bench/bench_simulate.py times this size and larger ones."""
+    schedule = one_f_one_b(32, 400)
+    validate(schedule)
+    assert simulate(schedule).makespan == 3 * (400 + 31)

@@ -9,8 +9,9 @@ from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib import Pipe
 from pipeline_lib.schedules import (ScheduleError, gpipe, interleaved_1f1b, one_f_one_b,
                                     validate)
-from pipeline_lib.notebook_workers.torch_pipelining import (main, manual_split, pytorch_schedule, read_run,
-                                           split_spec, write_setup)
+from pipeline_lib.notebook_workers.torch_pipelining import (main, manual_split,
+                                                            pytorch_schedule, read_run,
+                                                            split_spec, write_pipelining_setup)
 from pipeline_lib.lm.loops import lm_loss
 
 CONFIG = dict(vocab_size=40, d_model=16, nhead=2, d_hid=32, nlayers=2, dropout=0.0)
@@ -63,9 +64,8 @@ def test_pytorch_1f1b_order_matches_ours_except_possibly_the_last_rank():
             validate(theirs)
 
 
-def test_pytorch_schedule_refuses_v_shaped_placement():
-    with pytest.raises(ValueError, match="V-shaped"):
-        pytorch_schedule("ZBVZeroBubble", 2, 4, 2)
+def test_pytorch_schedule_keeps_v_shaped_placement():
+    assert pytorch_schedule("ZBVZeroBubble", 2, 4, 2).placement == (0, 1, 1, 0)
 
 
 def test_worker_rejects_unknown_runs_before_starting(tmp_path):
@@ -83,7 +83,10 @@ def test_pytorch_pipeline_equals_pipe_step(tmp_path):
     tracer split runs in the notebook; launching it here would trace on both ranks.)"""
     model = tiny_model()
     inputs, targets = torch.randint(0, CONFIG["vocab_size"], (2, 4, 6))
-    write_setup(tmp_path, CONFIG, model, inputs, targets, balance=[2, 2])
+    write_pipelining_setup(tmp_path, CONFIG, model, inputs, targets, balance=[2, 2])
+    stale = tmp_path / "gpipe-manual"
+    stale.mkdir()
+    (stale / "rank2.pt").write_bytes(b"left by an earlier run on 3 processes: not read")
     torchrun("pipeline_lib.notebook_workers.torch_pipelining",
              [tmp_path, "--runs", "gpipe:manual,1f1b:manual", "--microbatches", "2",
               "--steps", "1"], timeout=120)

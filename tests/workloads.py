@@ -1,5 +1,5 @@
-"""Two small workloads shared by the threaded tests and `dist_loss_worker.py`: stages
-that pass trees to each other, and a token model on padded batches."""
+"""Small workloads shared by the threaded tests and the torchrun workers: a stack of
+linear layers, stages that pass trees to each other, and a token model on padded batches."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +7,21 @@ import torch.nn.functional as F
 from torch import nn
 
 ROWS, VOCAB, SEQ, PAD = 12, 11, 6, -100
+CHECKPOINTS = ["always", "except_last", "never"]
+BALANCES = {2: [4, 5], 3: [3, 3, 3], 4: [2, 2, 2, 3]}   # for make_model's 9 layers
+
+
+def make_model(dropout: float = 0.0) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [nn.Linear(6, 6), nn.Dropout(dropout) if dropout else nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(6, 3))
+
+
+def data(rows: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(rows, 6, generator=g), torch.randint(0, 3, (rows,), generator=g)
 
 
 class TreeBlock(nn.Module):

@@ -2,13 +2,17 @@
 
 * `pipe.DistributedPipe` runs the very `Schedule` objects the simulator draws, driving a
   `pipeline_lib.stage.StageRunner` per stage, with DDP across replicas;
-* `p2p` moves activations and gradients between ranks (a header, then the tensors);
-* `mesh` lays the processes out in a ``dp × pp`` grid and stops them all when one fails;
-* `launch` starts a ``torchrun`` job from Python under a deadline and gives each worker
-  its device.
+* `p2p` moves activations and gradients between ranks: a header, then the tensors
+  (`p2p.Transport`), with receives posted early once shapes repeat (`p2p.PostedEarly`);
+* `mesh` lays the processes out in a ``dp × pp`` grid;
+* `job` joins the torchrun job (`job.process_group`) and, when one rank fails, makes
+  every rank stop with that rank's reason;
+* `launch` starts a ``torchrun`` job from Python under a deadline (it and all its workers
+  are killed past it, or on Ctrl-C) and gives each worker its device.
 """
 from pipeline_lib.distributed.launch import TorchrunError, backend_for, torchrun, worker_device
-from pipeline_lib.distributed.mesh import Mesh, init_mesh, process_group
+from pipeline_lib.distributed.job import process_group
+from pipeline_lib.distributed.mesh import Mesh, init_mesh
 from pipeline_lib.distributed.pipe import DistributedPipe
 
 __all__ = ["DistributedPipe", "Mesh", "TorchrunError", "backend_for", "init_mesh",

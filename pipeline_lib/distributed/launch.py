@@ -2,13 +2,16 @@
 the job, give each worker its device.
 
 A distributed job that waits on a collective which never comes waits forever, and so
-would the notebook cell that started it. So the job runs in its own process group
-(session) under a deadline: past it, torchrun *and every worker it started* are killed
-and the caller gets an error carrying the job's output so far, which says where it hung.
+would the notebook cell that started it. So the job runs under a deadline: past it, or
+when the caller is interrupted (Ctrl-C, a notebook's stop button), torchrun *and every
+worker it started* are killed, and the caller gets an error carrying the job's output so
+far, which says where it hung.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +26,13 @@ class TorchrunError(RuntimeError):
 
 def _tail(text: str, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
+
+
+def _reasons(output: str) -> str:
+    """The lines where ranks said why they stopped (`job.process_group` prints them)."""
+    said = re.findall(r"^(?:rank \d+ (?:failed|lost)|rank \d+: stopping|a rank was lost).*$",
+                      output, flags=re.MULTILINE)
+    return "".join(f"\n  {line}" for line in dict.fromkeys(said))
 
 
 def torchrun(module: str, args: Sequence[str] = (), nproc: int = 2,
@@ -42,24 +52,54 @@ def torchrun(module: str, args: Sequence[str] = (), nproc: int = 2,
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        output = kill_job(process)
         raise TorchrunError(f"`{shown}` did not finish within {timeout:g} s and was killed "
-                            f"with all its workers (a rank waiting for a message that "
-                            f"never comes?). Its last output:\n{_tail(_kill(process))}"
+                            f"with all its workers (a rank waiting for a message that never "
+                            f"comes?){_reasons(output)}\nIts last output:\n{_tail(output)}"
                             ) from None
     except BaseException:   # an interrupted caller must not leave the job running
-        _kill(process)
+        kill_job(process)
         raise
     if process.returncode != 0:
-        raise TorchrunError(f"`{shown}` exited with code {process.returncode}. "
-                            f"Its last output:\n{_tail(output)}")
+        raise TorchrunError(f"`{shown}` exited with code {process.returncode}"
+                            f"{_reasons(output)}\nIts last output:\n{_tail(output)}")
     return output
 
 
-def _kill(process: subprocess.Popen) -> str:
-    """Kill torchrun and its workers (its whole session); return what they printed."""
-    os.killpg(process.pid, signal.SIGKILL)
+def kill_job(process: subprocess.Popen) -> str:
+    """Kill torchrun (``process``) and every process it started; return their output.
+
+    torchrun starts each worker in a session of its own, so killing torchrun's process
+    group would leave the workers running, and holding the output pipe open. So torchrun
+    is frozen first (it starts no more), its descendants are found by their parent ids,
+    and all are killed.
+    """
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGSTOP)
+    for pid in _descendants(process.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
     output, _ = process.communicate()
     return output
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, their children, ...), as ``ps`` lists them
+    on Linux and macOS alike."""
+    table = subprocess.run(["ps", "-A", "-o", "pid=", "-o", "ppid="], capture_output=True,
+                           text=True, check=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in table.splitlines():
+        child, parent = map(int, line.split())
+        children.setdefault(parent, []).append(child)
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
 
 
 def worker_device() -> torch.device:

@@ -1,51 +1,46 @@
-"""Moving activations and gradients between pipeline ranks, one message at a time.
+"""Moving activations and gradients between pipeline ranks: a header, then the tensors.
 
-`pipeline_lib.distributed` explains why the transport looks the way it does (one process
-group per direction, receives in the sender's order, sends never waited on early). This
-module is the mechanism:
+`pipeline_lib.distributed.pipe` explains why the transport looks the way it does (one
+process group per direction, receives in the sender's order, sends never waited on
+early). This module is the mechanism, in two layers:
 
-* A `Message` names what travels: the activation a stage's forward consumes, or the
-  gradient its backward consumes, for one micro-batch.
-* `send_order` reads a rank's program and lists what it sends to each peer, in order.
-  Sender and receiver both call it: that is how the receiver knows the order to receive in.
-* On the wire a message is a fixed-size header (which message; dtype and shape of each
-  tensor) followed by its tensors. The receiver reads the header, checks that it is the
-  message it expected, allocates exactly what the header describes and receives into it:
-  shapes may change from micro-batch to micro-batch (an uneven split, a short last batch),
-  and a message out of place is an error at once, never a buffer filled with garbage.
-  The price, on NCCL: the header is a GPU tensor, and reading it waits for the GPU.
-* That costs two hand-shakes per message, both on the critical path (gloo and NCCL move a
-  message only once its receive is posted). So once a step has shown every message's
-  header, the next step whose batch has the same shapes sends each message as **one**
-  buffer, header and tensors together, and the receiver posts its receives `AHEAD`
-  messages early, at sizes it knows from the last step: the data moves while the
-  receiver computes. The header still travels and is checked; a sender whose output
-  changed shape anyway stops with an error naming the message, never sends a size the
-  receiver did not post.
+1. `Transport`, the lesson. A message is a fixed-size header (which `Message`; dtype and
+   shape of each tensor), then its tensors, each sent with a plain ``isend`` and received
+   with a plain ``recv``, on gloo as on NCCL. The receiver reads the header, checks that
+   it is the message it expected, allocates exactly what it describes and receives into
+   that: shapes may change between micro-batches, and a message out of place is an error
+   at once, never a buffer filled with garbage.
+2. `PostedEarly`, a speed-up. gloo and NCCL move a message only once its receive is
+   posted, so every message waits for two hand-shakes (header, then tensors) on the
+   critical path. When a step's batch has the last step's shapes (`batch_key`), so has
+   every message: the receiver then posts its receives `AHEAD` messages early, at the
+   sizes the last step's headers showed, and the data moves while it computes. Headers
+   still travel and are checked; a sender whose output changed shape anyway stops with an
+   error naming the message, and never sends a size the receiver did not post.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from pipeline_lib.distributed.job import RankLost, connection_closed
 from pipeline_lib.distributed.mesh import Mesh
 from pipeline_lib.schedules import Schedule
 
 HEADER_SLOTS = 64
-ALIGN = 8    # bytes: every tensor in a one-buffer message starts on a multiple of this
-AHEAD = 2    # one-buffer receives posted per peer before they are needed
+AHEAD = 2    # messages per peer whose receives `PostedEarly` posts before they are needed
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 MessageKind = Literal["activation", "gradient"]
-KINDS: tuple[MessageKind, ...] = ("activation", "gradient")
+MESSAGE_KINDS: tuple[MessageKind, ...] = ("activation", "gradient")
 
 
 class ProtocolError(RuntimeError):
@@ -67,7 +62,8 @@ class Message:
 def send_order(schedule: Schedule, rank: int) -> list[tuple[int, Message]]:
     """``(destination rank, message)`` for everything ``rank`` sends in one step, in the
     order its program produces them: a forward sends its output to the next stage, a
-    backward (B or I) sends its input gradient to the previous stage."""
+    backward (B or I) sends its input gradient to the previous stage. Sender and receiver
+    both call it: that is how the receiver knows the order to receive in."""
     last = schedule.stages - 1
     sent = []
     for action in schedule.actions[rank]:
@@ -79,21 +75,20 @@ def send_order(schedule: Schedule, rank: int) -> list[tuple[int, Message]]:
     return sent
 
 
-def describe(value: Any) -> str:
+def describe_tensors(value: Any) -> str:
     """``float32[4, 16]``, or a tuple of those: what a message carries, for errors."""
     if isinstance(value, Tensor):
         return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
     if isinstance(value, (tuple, list)):
-        return "(" + ", ".join(describe(v) for v in value) + ")"
+        return "(" + ", ".join(describe_tensors(v) for v in value) + ")"
     return type(value).__name__
 
 
-def _described(header: list[int]) -> str:
-    """`describe` of the value a header announces."""
-    _, is_tuple, specs = _unpack(header)
-    items = ["None" if spec is None else f"{str(spec[0]).removeprefix('torch.')}{spec[1]}"
-             for spec in specs]
-    return "(" + ", ".join(items) + ")" if is_tuple else items[0]
+def batch_key(*values: Any) -> int:
+    """A number that changes when the shapes or dtypes of a step's batch change (and
+    otherwise not): when it is the last step's, so are the shapes of every message."""
+    digest = hashlib.blake2b(describe_tensors(values).encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")
 
 
 # -- the header ------------------------------------------------------------------------
@@ -103,7 +98,7 @@ def _pack(message: Message, value: Any) -> tuple[list[int], list[Tensor]]:
     *shape) per item]`` and the tensors to send after it. Items of a tuple may be None
     (a gradient for an input that needs none)."""
     items = list(value) if isinstance(value, tuple) else [value]
-    fields = [KINDS.index(message.kind), message.stage, message.microbatch,
+    fields = [MESSAGE_KINDS.index(message.kind), message.stage, message.microbatch,
               int(isinstance(value, tuple)), len(items)]
     tensors = []
     for item in items:
@@ -111,93 +106,45 @@ def _pack(message: Message, value: Any) -> tuple[list[int], list[Tensor]]:
             fields.append(0)
             continue
         if not isinstance(item, Tensor) or item.dtype not in DTYPES:
-            raise TypeError(f"cannot send {describe(value)} as {message}: only tensors of "
-                            f"dtypes {[str(d) for d in DTYPES]} (or tuples of them) can "
+            raise TypeError(f"cannot send {describe_tensors(value)} as {message}: only tensors "
+                            f"of dtypes {[str(d) for d in DTYPES]} (or tuples of them) can "
                             f"cross a process boundary")
         fields += [1, DTYPES.index(item.dtype), item.dim(), *item.shape]
         tensors.append(item.contiguous())
     if len(fields) > HEADER_SLOTS:
-        raise ValueError(f"{message} ({describe(value)}) needs a {len(fields)}-slot header, "
-                         f"more than p2p.HEADER_SLOTS = {HEADER_SLOTS}: send fewer tensors "
-                         f"or tensors of fewer dimensions across stage boundaries")
+        raise ValueError(f"{message} ({describe_tensors(value)}) needs a {len(fields)}-slot "
+                         f"header, more than p2p.HEADER_SLOTS = {HEADER_SLOTS}: send fewer "
+                         f"tensors or tensors of fewer dimensions across stage boundaries")
     return fields + [0] * (HEADER_SLOTS - len(fields)), tensors
 
 
-def _unpack(header: list[int]) -> tuple[Message, bool, list[tuple[torch.dtype, list[int]] | None]]:
-    """The message, whether it is a tuple, and ``(dtype, shape)`` or None per item."""
+def _unpack(header: list[int], device: torch.device | str
+            ) -> tuple[Message, bool, list[Tensor | None]]:
+    """The message, whether it is a tuple, and per item an empty tensor of its dtype and
+    shape on ``device`` (None for a missing item)."""
     fields = iter(header)
     kind, stage, microbatch, is_tuple, count = (next(fields) for _ in range(5))
-    specs: list[tuple[torch.dtype, list[int]] | None] = []
+    items: list[Tensor | None] = []
     for _ in range(count):
         if next(fields):
             dtype, ndim = DTYPES[next(fields)], next(fields)
-            specs.append((dtype, [next(fields) for _ in range(ndim)]))
+            items.append(torch.empty([next(fields) for _ in range(ndim)], dtype=dtype,
+                                     device=device))
         else:
-            specs.append(None)
-    return Message(KINDS[kind], stage, microbatch), bool(is_tuple), specs
-
-
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
-
-def _flat_size(header: list[int]) -> int:
-    """Bytes of the one-buffer form of the message this header describes."""
-    sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in
-             (spec for spec in _unpack(header)[2] if spec is not None)]
-    return _padded(HEADER_SLOTS * 8) + sum(_padded(n) for n in sizes)
-
-
-def _flatten(header: list[int], tensors: list[Tensor], device: torch.device) -> Tensor:
-    """The header, then each tensor's bytes, in one uint8 buffer."""
-    flat = torch.empty(_flat_size(header), dtype=torch.uint8, device=device)
-    flat[:HEADER_SLOTS * 8].copy_(torch.tensor(header, dtype=torch.int64).view(torch.uint8))
-    offset = _padded(HEADER_SLOTS * 8)
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        flat[offset:offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
-        offset += _padded(nbytes)
-    return flat
-
-
-def _unflatten(flat: Tensor) -> tuple[list[int], list[Tensor | None]]:
-    """The header, and each item as a view into ``flat``."""
-    header = flat[:HEADER_SLOTS * 8].view(torch.int64).tolist()
-    offset, items = _padded(HEADER_SLOTS * 8), []
-    for spec in _unpack(header)[2]:
-        if spec is None:
             items.append(None)
-            continue
-        dtype, shape = spec
-        nbytes = math.prod(shape) * dtype.itemsize
-        items.append(flat[offset:offset + nbytes].view(dtype).view(shape))
-        offset += _padded(nbytes)
-    return header, items
+    return Message(MESSAGE_KINDS[kind], stage, microbatch), bool(is_tuple), items
 
 
-def batch_key(*values: Any) -> int:
-    """A number that changes when the shapes or dtypes of a step's batch change (and
-    otherwise not): when it is the last step's, so are the shapes of every message."""
-    return int.from_bytes(hashlib.blake2b(describe(values).encode(), digest_size=7).digest(),
-                          "little")
+def _value(is_tuple: bool, items: list[Tensor | None]) -> Any:
+    return tuple(items) if is_tuple else items[0]
 
 
-# -- the transport ---------------------------------------------------------------------
+def _described(header: list[int]) -> str:
+    """`describe_tensors` of the value a header announces."""
+    return describe_tensors(_value(*_unpack(header, "meta")[1:]))
 
-@dataclass
-class _Inbox:
-    """What one peer sends this rank: its order for a whole step, what is still to come
-    this step, and what arrived before it was needed."""
 
-    peer: int                      # the sender's global rank
-    group: dist.ProcessGroup       # carries only this peer's messages to this rank
-    order: list[Message]
-    pending: deque[Message]
-    early: dict[Message, Any]
-    headers: dict[Message, list[int]] = field(default_factory=dict)   # as last received
-    unposted: deque[Message] = field(default_factory=deque)
-    posted: deque[tuple[Message, Tensor, dist.Work]] = field(default_factory=deque)
-
+# -- layer 1: a header, then the tensors -----------------------------------------------
 
 class Transport:
     """This rank's sends and receives for one pipeline replica of a `Mesh`.
@@ -208,114 +155,147 @@ class Transport:
 
     def __init__(self, mesh: Mesh, schedule: Schedule):
         self.mesh = mesh
-        self.timeout = timedelta(seconds=mesh.timeout)
         me = mesh.pipe_rank
-        self.inboxes: dict[int, _Inbox] = {}
-        for peer in range(schedule.ranks):
-            order = [msg for dst, msg in send_order(schedule, peer) if dst == me]
-            if peer != me and order:
-                self.inboxes[peer] = _Inbox(mesh.global_rank(peer), mesh.link(peer, me),
-                                            order, deque(order), {})
-        self.in_memory: dict[Message, Any] = {}
+        orders = {peer: [msg for dst, msg in send_order(schedule, peer) if dst == me]
+                  for peer in range(schedule.ranks) if peer != me}
+        self.orders = {peer: order for peer, order in orders.items() if order}
+        self.pending: dict[int, deque[Message]] = {}   # per peer: still to come this step
+        self.arrived: dict[Message, Any] = {}          # received before it was needed
         self.sending: list[tuple[dist.Work, Tensor]] = []
-        self.sent_headers: dict[Message, list[int]] = {}
-        self.key: int | None = None    # of the last step's batch
-        self.one_buffer = False        # this step: one buffer per message, posted early
+        self.timeout = timedelta(seconds=mesh.timeout)
 
     def start_step(self, key: int) -> None:
-        """``key`` is `batch_key` of this step's batch, the same on every rank: the step
-        reuses the last step's headers if and only if it is the last step's key."""
-        self.one_buffer, self.key = key == self.key, key
-        if self.one_buffer:
-            for inbox in self.inboxes.values():
-                inbox.unposted.extend(inbox.order)
-                self._post_ahead(inbox)
+        """Expect every peer's messages of a step. ``key`` is `batch_key` of the step's
+        batch, the same on every rank; only `PostedEarly` needs it."""
+        self.pending = {peer: deque(order) for peer, order in self.orders.items()}
 
     def send(self, dst: int, message: Message, value: Any) -> None:
         """Start sending; never waits. The buffers are kept until `finish_step`."""
         if dst == self.mesh.pipe_rank:
-            self.in_memory[message] = value
+            self.arrived[message] = value
             return
         header, tensors = _pack(message, value)
-        device = self.mesh.device
-        if not self.one_buffer:
-            self.sent_headers[message] = header
-            buffers = [torch.tensor(header, dtype=torch.int64, device=device), *tensors]
-        elif header == self.sent_headers[message]:
-            buffers = [_flatten(header, tensors, device)]
-        else:
-            raise ProtocolError(
-                f"rank {self.mesh.rank}: {message} is {_described(header)} in this step but "
-                f"was {_described(self.sent_headers[message])} in the last one, although the "
-                f"batch's shapes are the same: a stage whose output shape depends on the "
-                f"values of its input cannot send it to another process")
+        self._check_sent(message, header)
         peer, group = self.mesh.global_rank(dst), self.mesh.link(self.mesh.pipe_rank, dst)
-        for tensor in buffers:
-            self.sending.append((dist.isend(tensor, peer, group=group), tensor))
+        for buffer in [torch.tensor(header, device=self.mesh.device), *tensors]:
+            self.sending.append((dist.isend(buffer, peer, group=group), buffer))
+
+    def _check_sent(self, message: Message, header: list[int]) -> None:
+        """Called with every header before it is sent; `PostedEarly` checks it."""
 
     def receive(self, src: int, message: Message) -> Any:
         """Wait for ``message`` from pipeline rank ``src``, receiving whatever that rank
         sent before it first (in its send order) and keeping it for later."""
-        if src == self.mesh.pipe_rank:
-            return self.in_memory.pop(message)
-        inbox = self.inboxes[src]
-        while message not in inbox.early:
-            expected = inbox.pending.popleft()
-            inbox.early[expected] = self._receive_next(inbox, expected)
-        return inbox.early.pop(message)
+        if src != self.mesh.pipe_rank:
+            while message not in self.arrived:
+                expected = self.pending[src].popleft()
+                self.arrived[expected] = self._receive_next(src, expected)
+        return self.arrived.pop(message)
 
-    def _receive_next(self, inbox: _Inbox, expected: Message) -> Any:
-        if self.one_buffer:
-            message, flat, work = inbox.posted.popleft()
-            assert message == expected, (message, expected)   # both in send order
-            self._wait(work, inbox, expected)
-            self._post_ahead(inbox)
-            header, items = _unflatten(flat)
-            is_tuple = self._check(header, inbox, expected)
-        else:
-            received = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.mesh.device)
-            self._wait(dist.irecv(received, inbox.peer, group=inbox.group), inbox, expected)
-            header = inbox.headers[expected] = received.tolist()
-            is_tuple = self._check(header, inbox, expected)
-            items = [None if spec is None else
-                     torch.empty(spec[1], dtype=spec[0], device=self.mesh.device)
-                     for spec in _unpack(header)[2]]
-            works = [dist.irecv(t, inbox.peer, group=inbox.group)
-                     for t in items if t is not None]
-            for work in works:
-                self._wait(work, inbox, expected)
-        return tuple(items) if is_tuple else items[0]
+    def _receive_next(self, src: int, expected: Message) -> Any:
+        header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.mesh.device)
+        self._recv(src, expected, header)
+        is_tuple, items = self._check(header.tolist(), src, expected, self.mesh.device)
+        for item in items:
+            if item is not None:
+                self._recv(src, expected, item)
+        return _value(is_tuple, items)
 
-    def _check(self, header: list[int], inbox: _Inbox, expected: Message) -> bool:
-        """Whether the message is a tuple, once its header says it is the one expected."""
-        message, is_tuple, _ = _unpack(header)
+    def _recv(self, src: int, expected: Message, buffer: Tensor) -> None:
+        with self._receiving(src, expected):
+            dist.recv(buffer, self.mesh.global_rank(src),
+                      group=self.mesh.link(src, self.mesh.pipe_rank))
+
+    def _check(self, header: list[int], src: int, expected: Message,
+               device: torch.device | str) -> tuple[bool, list[Tensor | None]]:
+        """Whether the message is a tuple, and an empty tensor on ``device`` per item
+        (None for a missing one), once the header says it is the one expected."""
+        message, is_tuple, items = _unpack(header, device)
         if message != expected:
             raise ProtocolError(f"rank {self.mesh.rank} expected {expected} from rank "
-                                f"{inbox.peer} but received {message}: the ranks are not "
-                                f"running the same schedule")
-        return is_tuple
+                                f"{self.mesh.global_rank(src)} but received {message}: the "
+                                f"ranks are not running the same schedule")
+        return is_tuple, items
 
-    def _post_ahead(self, inbox: _Inbox) -> None:
-        """Keep `AHEAD` one-buffer receives posted, sized by the last step's headers."""
-        while inbox.unposted and len(inbox.posted) < AHEAD:
-            message = inbox.unposted.popleft()
-            flat = torch.empty(_flat_size(inbox.headers[message]), dtype=torch.uint8,
-                               device=self.mesh.device)
-            inbox.posted.append((message, flat,
-                                 dist.irecv(flat, inbox.peer, group=inbox.group)))
-
-    def _wait(self, work: dist.Work, inbox: _Inbox, message: Message) -> None:
+    @contextlib.contextmanager
+    def _receiving(self, src: int, expected: Message) -> Iterator[None]:
+        """Say what this rank was waiting for, and from whom, when a wait fails."""
+        peer = self.mesh.global_rank(src)
         try:
-            work.wait(self.timeout)
+            yield
         except RuntimeError as exc:
-            exc.add_note(f"rank {self.mesh.rank} was receiving {message} from rank "
-                         f"{inbox.peer} (waits time out after {self.mesh.timeout:g} s)")
+            if connection_closed(exc):
+                raise RankLost(peer, f"rank {self.mesh.rank} was receiving {expected} "
+                                     f"from rank {peer}") from exc
+            exc.add_note(f"rank {self.mesh.rank} was receiving {expected} from rank {peer} "
+                         f"(waits time out after {self.mesh.timeout:g} s)")
             raise
 
     def finish_step(self) -> None:
-        """Wait for this step's sends; expect the same messages again next step."""
+        """Wait for this step's sends."""
         for work, _ in self.sending:
             work.wait(self.timeout)
         self.sending.clear()
-        for inbox in self.inboxes.values():
-            inbox.pending.extend(inbox.order)
+
+
+# -- layer 2: receives posted early ----------------------------------------------------
+
+class PostedEarly(Transport):
+    """`Transport`, with receives posted before they are needed whenever a step's batch
+    has the last step's shapes (see the module docstring)."""
+
+    def __init__(self, mesh: Mesh, schedule: Schedule):
+        super().__init__(mesh, schedule)
+        self.headers: dict[Message, list[int]] = {}   # sent or received, as last exchanged
+        self.key: int | None = None                   # of the last step's batch
+        self.known = False                            # this step repeats the last's shapes
+        self.unposted: dict[int, deque[Message]] = {}
+        self.posted: dict[int, deque[tuple[Message, list[Tensor], list[dist.Work]]]] = {}
+
+    def start_step(self, key: int) -> None:
+        """Every rank gets the same ``key``, so every rank decides the same."""
+        super().start_step(key)
+        self.known, self.key = key == self.key, key
+        if self.known:
+            for peer, order in self.orders.items():
+                self.unposted[peer], self.posted[peer] = deque(order), deque()
+                self._post_ahead(peer)
+
+    def _check_sent(self, message: Message, header: list[int]) -> None:
+        if self.known and header != self.headers[message]:
+            raise ProtocolError(
+                f"rank {self.mesh.rank}: {message} is {_described(header)} in this step but "
+                f"was {_described(self.headers[message])} in the last one, although the "
+                f"batch's shapes are the same: a stage whose output shape depends on the "
+                f"values of its input cannot send it to another process")
+        self.headers[message] = header
+
+    def _check(self, header: list[int], src: int, expected: Message,
+               device: torch.device | str) -> tuple[bool, list[Tensor | None]]:
+        self.headers[expected] = header
+        return super()._check(header, src, expected, device)
+
+    def _receive_next(self, src: int, expected: Message) -> Any:
+        if not self.known:
+            return super()._receive_next(src, expected)
+        message, buffers, works = self.posted[src].popleft()
+        assert message == expected, (message, expected)   # both in send order
+        with self._receiving(src, expected):
+            for work in works:
+                work.wait(self.timeout)
+        self._post_ahead(src)
+        is_tuple, items = self._check(buffers[0].tolist(), src, expected, "meta")
+        received = iter(buffers[1:])
+        return _value(is_tuple, [None if item is None else next(received) for item in items])
+
+    def _post_ahead(self, peer: int) -> None:
+        """Keep `AHEAD` messages' receives posted, sized by the last step's headers."""
+        src, group = self.mesh.global_rank(peer), self.mesh.link(peer, self.mesh.pipe_rank)
+        while self.unposted[peer] and len(self.posted[peer]) < AHEAD:
+            message = self.unposted[peer].popleft()
+            header = self.headers[message]
+            items = _unpack(header, self.mesh.device)[2]
+            buffers = [torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.mesh.device),
+                       *(item for item in items if item is not None)]
+            works = [dist.irecv(buffer, src, group=group) for buffer in buffers]
+            self.posted[peer].append((message, buffers, works))

@@ -1,7 +1,8 @@
 """Pipeline parallelism across processes: the schedules the simulator draws, run by torchrun.
 
-One process per pipeline rank. Rank ``r`` holds every stage ``s`` with ``s % pp == r``
-(``v`` of them for interleaved 1F1B) and runs ``schedule.actions[r]`` in order, driving a
+One process per pipeline rank. Rank ``r`` holds every stage ``s`` that the schedule places
+there (``schedule.rank_of(s) == r``: ``s % pp`` for looped schedules, a V for ZB-V and
+DualPipeV) and runs ``schedule.actions[r]`` in order, driving a
 `StageRunner` per stage exactly as the threaded `Pipe.step` does: same loss scaling
 (`pipeline_lib.loss`), same dropout seeds per (stage, micro-batch). Only the way
 activations and gradients travel differs, and that is the lesson of this module.
@@ -9,7 +10,7 @@ activations and gradients travel differs, and that is the lesson of this module.
 Every process runs the same script under torchrun (``torchrun --nproc_per_node 4 -m
 pipeline_lib.lm.train --pp 2 --dp 2`` trains the Transformer LM)::
 
-    with process_group():                       # see `pipeline_lib.distributed.mesh`
+    with process_group():                       # see `pipeline_lib.distributed.job`
         mesh = init_mesh(pp=2, dp=2)
         pipe = DistributedPipe(build_model(), mesh, balance=[5, 5], chunks=8)
         optimizer = torch.optim.AdamW(pipe.parameters())
@@ -53,9 +54,10 @@ a schedule is designed to avoid. Instead, with plain ``isend``/``irecv`` on gloo
    message it is, and each tensor's dtype and shape), so the receiver allocates exactly what
    comes, shapes may change from one micro-batch to the next, and a rank that is not running
    the same program is caught at its first message rather than filling a buffer with garbage.
-4. **Receives are posted early** once shapes are known: a step whose batch has the last
-   step's shapes sends header and tensors as one buffer, into receives posted before they
-   are needed (`p2p` has the details), so a message costs no hand-shake when it is needed.
+4. **Receives are posted early** once shapes are known: in a step whose batch has the
+   last step's shapes, a rank posts its receives before they are needed, at the sizes the
+   last step's headers showed (`p2p.PostedEarly`), so a message costs no hand-shake when
+   it is needed.
 
 Data parallelism
 ----------------
@@ -94,11 +96,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipeline_lib import tree
 from pipeline_lib.checkpoint import check_mode
-from pipeline_lib.distributed.mesh import Mesh
+from pipeline_lib.distributed.mesh import Mesh, check_same_everywhere
 from pipeline_lib.loss import StepGradients, check_count, check_grad_mode, total_count
 from pipeline_lib.microbatch import check_rows, loss_weights, split
 from pipeline_lib.partition import group_layers
-from pipeline_lib.distributed.p2p import Message, Transport, batch_key, describe
+from pipeline_lib.distributed.p2p import (Message, PostedEarly, Transport, batch_key,
+                                          describe_tensors)
 from pipeline_lib.rng import new_step_seed, owned_rng, seed_for
 from pipeline_lib.schedules import Action, Schedule, plan
 from pipeline_lib.skip import skip_routes
@@ -111,12 +114,15 @@ class DistributedPipe:
 
     Every rank builds the same ``module`` (seed before building it) and passes the same
     arguments; each keeps only the stages of ``balance`` that live on it (stage ``s`` on
-    pipe rank ``s % pp``), moved to ``mesh.device``. ``schedule`` is a name of
-    `schedules.BUILDERS` or a `Schedule` for ``mesh.pp`` ranks.
+    pipe rank ``schedule.rank_of(s)``), moved to ``mesh.device``. ``schedule`` is a name of
+    `schedules.BUILDERS` or a `Schedule` for ``mesh.pp`` ranks. ``post_early=False``
+    sends every message as `p2p.Transport` does, header then tensors, each waiting for its
+    receive: simpler to follow, slower for small stages (`p2p.PostedEarly` is the speed-up).
     """
 
     def __init__(self, module: nn.Sequential, mesh: Mesh, balance: Sequence[int],
-                 chunks: int, schedule: str | Schedule = "1f1b", checkpoint: str = "never"):
+                 chunks: int, schedule: str | Schedule = "1f1b", checkpoint: str = "never",
+                 post_early: bool = True):
         stages = group_layers(module, balance)
         layer_stage = [s for s, count in enumerate(balance) for _ in range(count)]
         crossing = skip_routes(module, layer_stage)
@@ -126,9 +132,9 @@ class DistributedPipe:
                 f"processes yet; choose a balance that keeps each within one stage, or use Pipe")
         self.mesh, self.checkpoint = mesh, check_mode(checkpoint)
         self.schedule = plan(schedule, mesh.pp, len(stages), chunks)
-        _check_same_everywhere(dict(schedule=self.schedule.name, grid=self.schedule.grid(),
-                                    pp=mesh.pp, dp=mesh.dp, balance=list(balance),
-                                    checkpoint=checkpoint))
+        check_same_everywhere("pipelines", dict(
+            schedule=self.schedule.name, grid=self.schedule.grid(), pp=mesh.pp, dp=mesh.dp,
+            balance=list(balance), checkpoint=checkpoint, post_early=post_early))
         self.program = self.schedule.actions[mesh.pipe_rank]
         self.modules = {s: self._replicated(stages[s].to(mesh.device))
                         for s in range(len(stages)) if self.schedule.rank_of(s) == mesh.pipe_rank}
@@ -136,7 +142,7 @@ class DistributedPipe:
         # stage's last B (or W), when every micro-batch's gradients have accumulated.
         self.sync_at = {a.stage: a for a in self.program if a.kind in ("B", "W")
                         and isinstance(self.modules[a.stage], DistributedDataParallel)}
-        self.transport = Transport(mesh, self.schedule)
+        self.transport = (PostedEarly if post_early else Transport)(mesh, self.schedule)
         self.events: list[Event] = []
 
     def _replicated(self, stage: nn.Module) -> nn.Module:
@@ -247,7 +253,8 @@ class DistributedPipe:
             except Exception as exc:
                 if s > 0:
                     exc.add_note(f"stage {s}'s input for micro-batch {i}, from stage {s - 1} "
-                                 f"on pipe rank {rank_of(s - 1)}, was {describe(received)}")
+                                 f"on pipe rank {rank_of(s - 1)}, was "
+                                 f"{describe_tensors(received)}")
                 raise
             if s < last:
                 self.transport.send(rank_of(s + 1), Message("activation", s + 1, i),
@@ -314,17 +321,6 @@ class DistributedPipe:
         if self.mesh.dp > 1:
             title += f" × {self.mesh.dp} replicas"
         return Timeline(len(gathered), events, unit="s", title=title).shifted()
-
-
-def _check_same_everywhere(config: dict) -> None:
-    """Ranks that disagree about the pipeline would wait for messages that never come."""
-    configs: list[dict | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(configs, config)
-    differ = [r for r, c in enumerate(configs) if c != configs[0]]
-    if differ:
-        raise ValueError("the ranks were given different pipelines: rank 0 has "
-                         f"{configs[0]}; " + "; ".join(f"rank {r} has {configs[r]}"
-                                                       for r in differ))
 
 
 class _Slot:

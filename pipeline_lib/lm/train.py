@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -22,8 +24,18 @@ from pipeline_lib.lm.data import batchify, get_batch, load_wikitext2
 from pipeline_lib.lm.loops import batch_starts, lm_loss, seed_everything
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.partition import balance_by_params, balance_by_time
-from pipeline_lib.schedules import BUILDERS
+from pipeline_lib.schedules import BUILDERS, stages_per_rank
 from pipeline_lib.timeline import simulate_measured
+
+
+def _at_least_one(fix: str) -> Callable[[str], int]:
+    """An argparse type: a whole number >= 1, else an error that says what to give."""
+    def parse(text: str) -> int:
+        if not text.strip().isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, not "
+                                             f"{text!r}: {fix}")
+        return int(text)
+    return parse
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -31,15 +43,21 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="torchrun --nproc_per_node N -m pipeline_lib.lm.train",
         description="Train the Transformer LM on a pp-rank pipeline, replicated dp times "
         "(pp x dp processes). Rank pp-1 logs loss, tokens/s and the bubble.")
-    parser.add_argument("--pp", type=int, default=2, help="pipeline ranks")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    parser.add_argument("--pp", type=_at_least_one("1 runs every stage in one process"),
+                        default=2, help="pipeline ranks")
+    parser.add_argument("--dp", type=_at_least_one("1 trains a single replica"), default=1,
+                        help="data-parallel replicas")
     parser.add_argument("--schedule", choices=sorted(BUILDERS), default="1f1b")
-    parser.add_argument("--virtual-stages", type=int, default=2,
-                        help="stages per rank, for interleaved_1f1b")
-    parser.add_argument("--chunks", type=int, default=4, help="micro-batches per replica")
-    parser.add_argument("--batch", type=int, default=16, help="global batch (rows)")
-    parser.add_argument("--bptt", type=int, default=35, help="sequence length")
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--virtual-stages", type=_at_least_one("2 is the usual choice"),
+                        default=2, help="stages per rank, for interleaved_1f1b")
+    parser.add_argument("--chunks", default=4, help="micro-batches per replica",
+                        type=_at_least_one("1 sends each replica's batch whole, unsplit"))
+    parser.add_argument("--batch", type=_at_least_one("the global batch, in rows"),
+                        default=16, help="global batch (rows)")
+    parser.add_argument("--bptt", type=_at_least_one("35 is the tutorial's"), default=35,
+                        help="sequence length")
+    parser.add_argument("--steps", type=_at_least_one("train for at least one step"),
+                        default=100)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--preset", default="cpu", help="pipeline_lib.lm.model.PRESETS")
     parser.add_argument("--balance", choices=["time", "params"], default="time",
@@ -50,11 +68,24 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="random tokens from a VOCAB-word vocabulary, not WikiText-2")
     parser.add_argument("--timeline", default=None,
                         help="save the last logged step's timeline here (JSON)")
-    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--log-every", default=10, type=_at_least_one(
+        "1 logs every step; a number above --steps logs only the last one"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds any single wait may take before it is an error")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.timeline:   # fail now, not at the first log step after minutes of training
+        folder = Path(args.timeline).absolute().parent
+        if Path(args.timeline).is_dir():
+            parser.error(f"--timeline {args.timeline} is a folder: give a file name, "
+                         f"e.g. --timeline {Path(args.timeline) / 'timeline.json'}")
+        if not folder.is_dir():
+            parser.error(f"--timeline {args.timeline}: folder {folder} does not exist; "
+                         f"create it (mkdir -p {folder}) or choose another path")
+        if not os.access(folder, os.W_OK):
+            parser.error(f"--timeline {args.timeline}: cannot write in {folder}; choose a "
+                         f"path in a folder you can write to")
+    return args
 
 
 def _training_tokens(args: argparse.Namespace, rank: int) -> tuple[torch.Tensor, int]:
@@ -64,8 +95,15 @@ def _training_tokens(args: argparse.Namespace, rank: int) -> tuple[torch.Tensor,
         tokens = torch.randint(0, args.synthetic, (args.batch * (args.steps * args.bptt + 1),),
                                generator=g)
         return batchify(tokens, args.batch), args.synthetic
-    if rank != 0:
-        dist.barrier()    # rank 0 downloads first, the others then read its copy
+    if rank != 0:   # rank 0 downloads first, the others then read its copy
+        try:
+            dist.barrier()
+        except RuntimeError as exc:
+            exc.add_note(f"rank {rank} was waiting for rank 0 to download WikiText-2 (or "
+                         f"to fail to): download it before launching, with python -c "
+                         f"'from pipeline_lib.lm.data import load_wikitext2; "
+                         f"load_wikitext2()', or raise --timeout ({args.timeout:g} s)")
+            raise
     data = load_wikitext2()
     if rank == 0:
         dist.barrier()
@@ -81,6 +119,17 @@ def _balance(model: nn.Module, sample: torch.Tensor, stages: int, by: str) -> li
     return answer[0]
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    """Write a file beside ``path``, then rename it over ``path``: a full disk or a kill
+    mid-write leaves the last good timeline whole, never a truncated one."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        partial.write_text(text)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
     with process_group(timeout=args.timeout):
@@ -88,13 +137,15 @@ def main(argv: list[str] | None = None) -> None:
         source, vocab = _training_tokens(args, mesh.rank)
         seed_everything(args.seed)
         model = transformer_lm(vocab, args.preset)
-        stages = args.pp * (args.virtual_stages if args.schedule == "interleaved_1f1b" else 1)
+        stages = args.pp * stages_per_rank(args.schedule, args.virtual_stages)
         sample = get_batch(source, 0, args.bptt)[0][:max(1, args.batch // (args.dp * args.chunks))]
         balance = _balance(model, sample, stages, args.balance)
         pipe = DistributedPipe(model, mesh, balance, args.chunks, args.schedule, args.checkpoint)
         del model   # this rank keeps only its stages
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
-        logger = args.pp - 1   # replica 0's last stage: it has the loss
+        # replica 0's rank holding the last stage has the loss: the last rank on a looped
+        # schedule, rank 0 on a V (zb_v, dualpipe_v)
+        logger = pipe.schedule.rank_of(pipe.schedule.stages - 1)
         if mesh.rank == logger:
             print(f"{pipe.schedule.name}: {args.pp} pipeline ranks x {args.dp} replicas, "
                   f"stages {balance} (by {args.balance}), {args.chunks} micro-batches",
@@ -118,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{timeline.bubble_fraction():.1%} measured, "
                   f"{simulated.bubble_fraction():.1%} simulated", flush=True)
             if args.timeline:
-                Path(args.timeline).write_text(json.dumps(timeline.to_dict()))
+                _write_atomically(Path(args.timeline), json.dumps(timeline.to_dict()))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ a DistributedDataParallel worker for torchrun.
 * `replicate`: copy the module onto every device;
 * `scatter`: split the batch along dim 0, one slice per device;
 * `parallel_apply`: run each replica on its slice, one thread per device;
-* `gather`: concatenate the outputs on one device, where the loss is computed.
+* `parallel_gather` (``torch.nn.parallel.gather``): concatenate the outputs on one
+  device, where the loss is computed.
 
 Its backward flows back through the gather to every replica, and the replicas' gradients
 are **summed** into the original module's (`reduce_gradients`). PyTorch's versions need
@@ -20,7 +21,7 @@ gradients are **averaged** by an all-reduce during the backward. `main` is such 
     torchrun --nproc-per-node 2 -m pipeline_lib.notebook_workers.data_parallel WORKDIR
 
 trains on the batches of ``WORKDIR/ddp_setup.pt`` (`write_ddp_setup`) and leaves each
-replica's final weights and losses for `read_ddp_replicas`.
+replica's final weights and losses for `read_ddp_replicas`, in ``ddp_rank{r}.pt``.
 """
 from __future__ import annotations
 
@@ -37,11 +38,13 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline_lib.distributed.launch import worker_device
-from pipeline_lib.distributed.mesh import process_group
+from pipeline_lib.distributed.job import process_group
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.lm.loops import lm_loss
+from pipeline_lib.notebook_workers import results
 
 Device = torch.device | str
+RESULTS = "ddp_rank"   # each process saves WORKDIR/ddp_rank{rank}.pt
 
 
 # -- DataParallel's four primitives ---------------------------------------------------
@@ -96,9 +99,10 @@ def parallel_apply(modules: Sequence[nn.Module], inputs: Sequence[Tensor]) -> li
     return results
 
 
-def gather(outputs: Sequence[Tensor], device: Device) -> Tensor:
-    """Concatenate the replicas' outputs along dim 0 on ``device``; autograd sends each
-    replica its part of the gradient back through the concatenation."""
+def parallel_gather(outputs: Sequence[Tensor], device: Device) -> Tensor:
+    """``torch.nn.parallel.gather``: concatenate the replicas' outputs along dim 0 on
+    ``device``; autograd sends each replica its part of the gradient back through the
+    concatenation."""
     return torch.cat([out.to(device) for out in outputs])
 
 
@@ -123,7 +127,7 @@ def data_parallel_step(module: nn.Module, inputs: Tensor, target: Tensor,
     """
     slices = scatter(inputs, devices)
     replicas = replicate(module, devices[:len(slices)])
-    output = gather(parallel_apply(replicas, slices), devices[0])
+    output = parallel_gather(parallel_apply(replicas, slices), devices[0])
     loss = loss_fn(output, target.to(devices[0]))
     loss.backward()
     reduce_gradients(replicas, module)
@@ -135,9 +139,11 @@ def data_parallel_step(module: nn.Module, inputs: Tensor, target: Tensor,
 def write_ddp_setup(workdir: str | Path, model_config: dict[str, Any], model: nn.Module,
                     batches: Sequence[tuple[Tensor, Tensor]], lr: float) -> Path:
     """Save what the DDP workers train: ``transformer_lm(**model_config)`` with
-    ``model``'s weights, SGD at ``lr`` over ``batches`` of (inputs, targets)."""
+    ``model``'s weights, SGD at ``lr`` over ``batches`` of (inputs, targets). The
+    results of an earlier job in ``workdir`` are removed."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    results.clear(workdir, RESULTS)
     path = workdir / "ddp_setup.pt"
     torch.save({"model_config": model_config, "state_dict": model.state_dict(),
                 "batches": list(batches), "lr": lr}, path)
@@ -153,12 +159,9 @@ class Replica:
 
 
 def read_ddp_replicas(workdir: str | Path) -> list[Replica]:
-    paths = sorted(Path(workdir).glob("ddp_rank*.pt"))
-    if not paths:
-        raise FileNotFoundError(f"no DDP results in {workdir}: run `torchrun "
-                                f"--nproc-per-node 2 -m pipeline_lib.notebook_workers.data_parallel "
-                                f"{workdir}` first")
-    return [Replica(**torch.load(path)) for path in paths]
+    """What each process of the last run ended with, in rank order."""
+    command = f"torchrun --nproc-per-node 2 -m {__name__} {workdir}"
+    return [Replica(**saved) for saved in results.load(workdir, RESULTS, command)]
 
 
 def _train(setup: dict[str, Any], device: torch.device) -> Replica:
@@ -195,8 +198,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"{args.workdir} has no ddp_setup.pt: write it with write_ddp_setup()")
     setup = torch.load(args.workdir / "ddp_setup.pt")
     with process_group():
+        results.start_run(args.workdir, RESULTS)
         replica = _train(setup, worker_device())
-        torch.save(vars(replica), args.workdir / f"ddp_rank{dist.get_rank()}.pt")
+        results.save(args.workdir, RESULTS, vars(replica))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@ job of notebook 04.
 
     torchrun --nproc-per-node 4 -m pipeline_lib.notebook_workers.ddp_pipeline WORKDIR
 
-``WORKDIR/setup.pt`` (`write_setup`) holds the job: the ``pp × dp`` mesh, the model's
+``WORKDIR/setup.pt`` (`write_ddp_pipeline_setup`) holds the job: the ``pp × dp`` mesh, the model's
 config and weights, the balance, schedule and micro-batch count, SGD's learning rate and the
 global batches. Every process trains its stage of its replica with `DistributedPipe` and
-saves a `RankRecord` of what it saw; `read_records` loads them in rank order. They hold what
+saves a `RankRecord` of what it saw (``WORKDIR/rank{r}.pt``); `read_records` loads them
+in rank order. They hold what
 the notebook checks:
 
 * the rank's place in the mesh, read from the process groups themselves;
@@ -31,10 +32,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipeline_lib.distributed.pipe import DistributedPipe
 from pipeline_lib.distributed.launch import backend_for, worker_device
-from pipeline_lib.distributed.mesh import Mesh, init_mesh, process_group
+from pipeline_lib.distributed.job import process_group
+from pipeline_lib.distributed.mesh import Mesh, init_mesh
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.timeline import Event, Timeline
 from pipeline_lib.lm.loops import lm_loss
+from pipeline_lib.notebook_workers import results
+
+RESULTS = "rank"   # each process saves WORKDIR/rank{rank}.pt
 
 
 @dataclass
@@ -62,7 +67,8 @@ class AllReduce:
     stage: int
     bucket: int
     action: str      # the schedule action running on this rank at that moment, e.g. "0B3"
-    time: float      # on the mesh clock, shared by all ranks
+    time: float      # when it started, on the mesh clock, shared by all ranks
+    end: float       # when its result was ready, on the same clock
 
 
 @dataclass
@@ -79,9 +85,11 @@ class RankRecord:
     last_step: list[Event]
 
 
-def write_setup(workdir: str | Path, setup: Setup) -> Path:
+def write_ddp_pipeline_setup(workdir: str | Path, setup: Setup) -> Path:
+    """Save the job; the records of an earlier job in ``workdir`` are removed."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    results.clear(workdir, RESULTS)
     path = workdir / "setup.pt"
     torch.save(asdict(setup), path)
     return path
@@ -90,15 +98,9 @@ def write_setup(workdir: str | Path, setup: Setup) -> Path:
 def read_records(workdir: str | Path) -> list[RankRecord]:
     """Every rank's record, in rank order."""
     setup = torch.load(Path(workdir) / "setup.pt")
-    paths = [Path(workdir) / f"rank{r}.pt" for r in range(setup["pp"] * setup["dp"])]
-    missing = [p.name for p in paths if not p.is_file()]
-    if missing:
-        raise FileNotFoundError(f"{', '.join(missing)} not found in {workdir}: run `torchrun "
-                                f"--nproc-per-node {len(paths)} -m pipeline_lib.notebook_workers.ddp_pipeline "
-                                f"{workdir}` first, and check its output for errors")
+    command = f"torchrun --nproc-per-node {setup['pp'] * setup['dp']} -m {__name__} {workdir}"
     records = []
-    for path in paths:
-        saved = torch.load(path)
+    for saved in results.load(workdir, RESULTS, command):
         saved["all_reduces"] = [AllReduce(**a) for a in saved["all_reduces"]]
         saved["last_step"] = Timeline.from_dict(saved["last_step"]).events
         records.append(RankRecord(**saved))
@@ -111,7 +113,7 @@ def last_step_timeline(records: Sequence[RankRecord]) -> tuple[Timeline, list[Al
     events = [e for r in records for e in r.last_step]
     t0 = min(e.start for e in events)
     last = max(a.step for r in records for a in r.all_reduces)
-    syncs = [AllReduce(a.rank, a.step, a.stage, a.bucket, a.action, a.time - t0)
+    syncs = [AllReduce(a.rank, a.step, a.stage, a.bucket, a.action, a.time - t0, a.end - t0)
              for r in records for a in r.all_reduces if a.step == last]
     return Timeline(len(records), events).shifted(), syncs
 
@@ -138,10 +140,11 @@ class ReplicaLoss:
         return mean
 
 
-def _record_all_reduces(pipe: DistributedPipe, mesh: Mesh,
-                        log: list[tuple[int, int, float]]) -> None:
+def _record_all_reduces(pipe: DistributedPipe, mesh: Mesh, log: list[list[float]]) -> None:
     """Register a DDP communication hook on each replicated stage that runs DDP's own
-    all-reduce (the average over the DDP group) and logs (stage, bucket, time)."""
+    all-reduce (the average over the DDP group) and logs [stage, bucket, start, end]: the
+    end is filled in when the all-reduce's future completes, so the notebook can show how
+    much of it no computation hid."""
     for stage, module in pipe.modules.items():
         if not isinstance(module, DistributedDataParallel):
             continue
@@ -149,8 +152,14 @@ def _record_all_reduces(pipe: DistributedPipe, mesh: Mesh,
         # Not annotated: DDP checks the hook's annotations against dist.GradBucket and
         # torch.futures.Future, which the string annotations of this module never equal.
         def hook(group, bucket, stage=stage):  # type: ignore[no-untyped-def]
-            log.append((stage, bucket.index(), mesh.clock()))
-            return allreduce_hook(group, bucket)
+            entry = [stage, bucket.index(), mesh.clock(), float("nan")]
+            log.append(entry)
+
+            def finished(future):  # type: ignore[no-untyped-def]
+                entry[3] = mesh.clock()
+                return future.value()
+
+            return allreduce_hook(group, bucket).then(finished)
 
         module.register_comm_hook(mesh.dp_group, hook)
 
@@ -159,13 +168,14 @@ def _action_at(events: Sequence[Event], time: float) -> str:
     return next((str(e.action) for e in events if e.start <= time <= e.end), "between actions")
 
 
-def train(setup: Setup, mesh: Mesh) -> RankRecord:
+def train_and_record(setup: Setup, mesh: Mesh) -> RankRecord:
+    """Train this rank's share of the job, recording what happened."""
     model = transformer_lm(**setup.model_config)
     model.load_state_dict(setup.state_dict)
     names = {id(p): name for name, p in model.named_parameters()}
     pipe = DistributedPipe(model, mesh, setup.balance, setup.chunks, setup.schedule)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=setup.lr)
-    hooked: list[tuple[int, int, float]] = []
+    hooked: list[list[float]] = []
     _record_all_reduces(pipe, mesh, hooked)
     loss_fn = ReplicaLoss()
     replica_losses, losses, all_reduces = [], [], []
@@ -176,8 +186,9 @@ def train(setup: Setup, mesh: Mesh) -> RankRecord:
         if loss is not None:
             losses.append(loss.item())
             replica_losses.append(loss_fn.take())
-        all_reduces += [AllReduce(mesh.rank, step, stage, bucket, _action_at(pipe.events, t), t)
-                        for stage, bucket, t in hooked]
+        all_reduces += [AllReduce(mesh.rank, step, int(stage), int(bucket),
+                                  _action_at(pipe.events, start), start, end)
+                        for stage, bucket, start, end in hooked]
         hooked.clear()
     return RankRecord(
         rank=mesh.rank, replica=mesh.replica, pipe_rank=mesh.pipe_rank,
@@ -198,10 +209,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     setup = Setup(**torch.load(args.workdir / "setup.pt"))
     with process_group(backend_for(worker_device()), timeout=args.timeout):
         mesh = init_mesh(setup.pp, setup.dp, args.timeout)
-        record = train(setup, mesh)
+        results.start_run(args.workdir, RESULTS)
+        record = train_and_record(setup, mesh)
         saved = asdict(record)
         saved["last_step"] = Timeline(setup.pp * setup.dp, record.last_step).to_dict()
-        torch.save(saved, args.workdir / f"rank{mesh.rank}.pt")
+        results.save(args.workdir, RESULTS, saved)
 
 
 if __name__ == "__main__":

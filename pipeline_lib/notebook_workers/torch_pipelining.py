@@ -17,7 +17,8 @@ This file is also the torchrun worker that runs them and writes what happened::
     torchrun --nproc-per-node 2 -m pipeline_lib.notebook_workers.torch_pipelining WORKDIR \\
         --runs gpipe:manual,1f1b:tracer --microbatches 4
 
-``WORKDIR/setup.pt`` (`write_setup`) holds the model's config and weights and one batch;
+``WORKDIR/setup.pt`` (`write_pipelining_setup`) holds the model's config and weights and
+one batch;
 every run starts from those weights and leaves, per rank, the micro-batch losses, the
 gradients of the rank's parameters and the timeline of its forwards and backwards
 (`read_run` puts the ranks back together). `pytorch_schedule` turns the action order PyTorch
@@ -37,21 +38,21 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           SplitPoint, pipeline)
-from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-from torch.distributed.pipelining.schedules import _ComputationType
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from pipeline_lib.distributed.launch import worker_device
-from pipeline_lib.distributed.mesh import process_group
+from pipeline_lib.distributed.job import process_group
 from pipeline_lib.lm.model import transformer_lm
+from pipeline_lib import pytorch_schedules
 from pipeline_lib.schedules import Action, Schedule
 from pipeline_lib.timeline import Event, Timeline
 from pipeline_lib.lm.loops import lm_loss
+from pipeline_lib.notebook_workers import results
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+pytorch_schedule = pytorch_schedules.pytorch_schedule   # notebook 05 imports it from here
 SPLITS = ("manual", "tracer")
-_COMPUTE = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B",
-            _ComputationType.BACKWARD_INPUT: "I", _ComputationType.BACKWARD_WEIGHT: "W"}
+RESULTS = "rank"   # each process saves WORKDIR/SCHEDULE-SPLIT/rank{rank}.pt
 
 
 # -- the two ways to cut a stage out of the model --------------------------------------
@@ -139,12 +140,17 @@ def record_actions(stage: _PipelineStageBase, events: list[Event]) -> None:
 
 # -- what a notebook hands the workers, and what it gets back -----------------------------
 
-def write_setup(workdir: str | Path, model_config: dict[str, Any], model: nn.Module,
-                inputs: Tensor, targets: Tensor, balance: Sequence[int]) -> Path:
+def write_pipelining_setup(workdir: str | Path, model_config: dict[str, Any],
+                           model: nn.Module, inputs: Tensor, targets: Tensor,
+                           balance: Sequence[int]) -> Path:
     """Save what every run starts from: ``transformer_lm(**model_config)`` with
-    ``model``'s weights, one batch, and the layers per stage."""
+    ``model``'s weights, one batch, and the layers per stage. The results of earlier
+    runs in ``workdir`` are removed."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    for schedule in SCHEDULES:
+        for split in SPLITS:
+            results.clear(_folder(workdir, schedule, split), RESULTS)
     path = workdir / "setup.pt"
     torch.save({"model_config": model_config, "state_dict": model.state_dict(),
                 "inputs": inputs, "targets": targets, "balance": list(balance)}, path)
@@ -183,11 +189,10 @@ def _folder(workdir: str | Path, schedule: str, split: str) -> Path:
 
 
 def read_run(workdir: str | Path, schedule: str, split: str) -> RunResult:
+    """The last run of ``schedule`` with ``split``, every rank's part in rank order."""
     folder = _folder(workdir, schedule, split)
-    parts = [torch.load(path) for path in sorted(folder.glob("rank*.pt"))]
-    if not parts:
-        raise FileNotFoundError(f"no results in {folder}: launch the worker with "
-                                f"--runs {schedule}:{split} first")
+    parts = results.load(folder, RESULTS, f"torchrun --nproc-per-node 2 -m {__name__} "
+                                          f"{workdir} --runs {schedule}:{split}")
     losses = [loss for part in parts for loss in part["losses"]]
     grads = {name: g for part in parts for name, g in part["grads"].items()}
     events = [e for part in parts for e in Timeline.from_dict(part["timeline"]).events]
@@ -236,7 +241,8 @@ def _run(setup: dict[str, Any], schedule: str, split: str, microbatches: int,
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("workdir", type=Path, help="folder with setup.pt (write_setup)")
+    parser.add_argument("workdir", type=Path,
+                        help="folder with setup.pt (write_pipelining_setup)")
     parser.add_argument("--runs", default="1f1b:manual",
                         help="comma-separated schedule:split pairs, schedule in "
                              f"{sorted(SCHEDULES)}, split in {SPLITS}")
@@ -251,49 +257,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.error(f"--runs: {':'.join(run)!r} is not schedule:split with schedule "
                          f"in {sorted(SCHEDULES)} and split in {SPLITS}")
     if not (args.workdir / "setup.pt").exists():
-        parser.error(f"{args.workdir} has no setup.pt: write one with write_setup()")
+        parser.error(f"{args.workdir} has no setup.pt: write one with "
+                     f"write_pipelining_setup()")
     setup = torch.load(args.workdir / "setup.pt")
     device = worker_device()
     with process_group():
         for schedule, split in runs:
-            result = _run(setup, schedule, split, args.microbatches, args.steps, device)
             folder = _folder(args.workdir, schedule, split)
             folder.mkdir(exist_ok=True)
-            torch.save(result, folder / f"rank{dist.get_rank()}.pt")
-            dist.barrier()
-
-
-# -- PyTorch's schedules as our Schedule --------------------------------------------------
-
-def pytorch_schedule(name: str, ranks: int, microbatches: int,
-                     virtual_stages: int | None = None) -> Schedule:
-    """The order in which PyTorch's schedule ``name`` ("GPipe", "1F1B",
-    "Interleaved1F1B", "InterleavedZeroBubble", ...) runs each rank's actions, as a
-    `Schedule`. Not validated: call `validate` on it.
-
-    It comes from PyTorch's ``pipeline_order`` (via its schedule visualiser, which needs
-    no processes), dropping the idle slots (``None``) and non-compute actions
-    (``REDUCE_GRAD``, sends, receives). PyTorch writes actions exactly as we do, stage,
-    kind, micro-batch: ``_Action(0, F, 1)`` prints as ``0F1``.
-    """
-    program = get_schedule_ops(name, ranks, microbatches, virtual_stages)
-    actions: list[list[Action]] = []
-    for rank, order in enumerate(program):
-        actions.append([])
-        for a in order:
-            if a is not None and a.computation_type == _ComputationType.OVERLAP_F_B:
-                raise ValueError(f"{name} overlaps a forward with a backward ({a}); a "
-                                 f"Schedule runs one action at a time")
-            if a is None or a.computation_type not in _COMPUTE:
-                continue
-            if a.stage_index % ranks != rank:
-                raise ValueError(f"{name} puts stage {a.stage_index} on rank {rank}; a "
-                                 f"Schedule places stage s on rank s % ranks (a V-shaped "
-                                 f"placement has no equivalent)")
-            actions[rank].append(Action(a.stage_index, _COMPUTE[a.computation_type],
-                                        a.microbatch_index))
-    return Schedule(f"PyTorch {name}", ranks, microbatches, actions,
-                    virtual_stages=virtual_stages or 1)
+            results.start_run(folder, RESULTS)
+            result = _run(setup, schedule, split, args.microbatches, args.steps, device)
+            results.save(folder, RESULTS, result)
 
 
 if __name__ == "__main__":

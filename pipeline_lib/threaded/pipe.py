@@ -19,9 +19,10 @@ from pipeline_lib.loss import StepGradients, check_count, check_grad_mode, total
 from pipeline_lib.microbatch import check_rows, gather, loss_weights, split
 from pipeline_lib.partition import group_layers
 from pipeline_lib.rng import new_step_seed
-from pipeline_lib.schedules import BUILDERS, Action, Schedule, plan
+from pipeline_lib.schedules import BUILDERS, Action, Schedule, plan, ranks_for
 from pipeline_lib.skip import SkipError, SkipKey, describe, skip_routes
 from pipeline_lib.stage import LossFn, StageRunner, to_device
+from pipeline_lib.threaded import allocator
 from pipeline_lib.threaded.threads import Mailbox, run_programs
 from pipeline_lib.timeline import Timeline
 
@@ -54,6 +55,11 @@ class Pipe(nn.Module):
       running statistics are updated once per mini-batch, as without micro-batches.
     * Stages stay on their devices: moving the Pipe (``.cuda()``, ``.to(device)``)
       raises `TypeError`; a dtype conversion (``.double()``) is fine.
+    * With a stage on the CPU, building a Pipe sets glibc's allocator, process-wide and
+      once per process, to keep freed memory instead of faulting every step's
+      activations in again (see `allocator`), which costs CPU stage threads part of
+      their speedup. ``keep_freed_memory=False``, or
+      ``PIPELINE_LIB_KEEP_FREED_MEMORY=0`` in the environment, leaves glibc's defaults.
 
     ``pipe(x)`` is the classic API: a pipelined forward whose output is connected to
     autograd, so ``criterion(pipe(x), y).backward()`` trains as usual; autograd runs the
@@ -66,7 +72,7 @@ class Pipe(nn.Module):
     def __init__(self, module: nn.Sequential, chunks: int = 1,
                  checkpoint: str = "except_last", balance: Sequence[int] | None = None,
                  devices: Sequence[torch.device | str] | None = None,
-                 deferred_batch_norm: bool = False):
+                 deferred_batch_norm: bool = False, keep_freed_memory: bool = True):
         super().__init__()
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"Pipe needs an nn.Sequential, got {type(module).__name__}; "
@@ -84,6 +90,7 @@ class Pipe(nn.Module):
                           for _ in range(count)]
         self.skip_routes = skip_routes(module, stage_of_layer)
         self.devices = stage_devices(stages, devices)
+        allocator.for_stages(self.devices, keep_freed_memory)
         self.partitions = nn.ModuleList(s.to(d) for s, d in zip(stages, self.devices))
         self.timeline: Timeline | None = None
 
@@ -204,19 +211,14 @@ class Pipe(nn.Module):
         if not isinstance(schedule, (str, Schedule)):
             raise TypeError(f"schedule must be the name of one ({', '.join(sorted(BUILDERS))})"
                             f" or a Schedule, got {schedule!r}")
-        if schedule == "interleaved_1f1b" and n % 2:
-            raise ValueError(f"interleaved_1f1b puts 2 stages on each device, so it needs an "
-                             f"even number of stages, not {n}")
-        if isinstance(schedule, Schedule):
-            ranks = schedule.ranks
-        else:
-            ranks = n // 2 if schedule == "interleaved_1f1b" else n
+        ranks = schedule.ranks if isinstance(schedule, Schedule) else ranks_for(schedule, n)
         schedule = plan(schedule, ranks, n, microbatches)
         for s in range(n):
-            if self.devices[s] != self.devices[schedule.rank_of(s)]:
+            first = schedule.stages_on(schedule.rank_of(s))[0]   # sets the rank's device
+            if self.devices[s] != self.devices[first]:
                 raise ValueError(f"{schedule.name} runs stage {s} on rank "
                                  f"{schedule.rank_of(s)}, so it must be on device "
-                                 f"{self.devices[schedule.rank_of(s)]}, not {self.devices[s]}")
+                                 f"{self.devices[first]}, not {self.devices[s]}")
         return schedule
 
     def step(self, inputs: Any, target: Any, loss_fn: LossFn,
@@ -274,7 +276,7 @@ class Pipe(nn.Module):
                 if s > 0:
                     mailbox.put(("B", s - 1, i), to_device(grad_in, self.devices[s - 1]))
 
-        rank_devices = [self.devices[r] for r in range(plan.ranks)]
+        rank_devices = [self.devices[plan.stages_on(r)[0]] for r in range(plan.ranks)]
         grads = StepGradients(self.parameters())
         try:
             self._run_programs(plan.actions, rank_devices, receive, compute, mailbox,

@@ -6,6 +6,7 @@ machine and a change in a schedule shows up as a change in its picture.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -40,7 +41,14 @@ def schedule_timelines(p: int = RANKS, m: int = MICROBATCHES,
 
 
 def _save(fig: Figure, path: Path) -> Path:
-    fig.savefig(path, dpi=130, bbox_inches="tight")
+    """Draw into a file beside ``path``, then rename it over ``path``: a full disk or a
+    kill mid-write leaves the last good PNG whole, never a truncated one."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        fig.savefig(partial, format="png", dpi=130, bbox_inches="tight")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
     return path
 
 

@@ -22,6 +22,11 @@ from pipeline_lib.timeline import Timeline, bubble_theory, simulate
 KIND_COLOURS = {"F": "#0072B2", "B": "#E69F00", "I": "#D55E00", "W": "#009E73"}
 KIND_NAMES = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
 IDLE_COLOUR = "#ECECEC"
+# A rank's later model chunks (interleaved schedules): paler and hatched, so they are told
+# apart in print and by readers who do not tell the shades apart.
+CHUNK_HATCHES = ("", "///", "xxx", "...")
+HATCH_COLOUR = (0.0, 0.0, 0.0, 0.35)
+LABEL_POINTS = 8          # every label in a box; smaller would not be read
 
 
 def _lighter(colour: str, amount: float) -> tuple[float, float, float]:
@@ -38,6 +43,13 @@ def _time_scale(timeline: Timeline) -> tuple[float, str]:
     return 1.0, "time (simulated cost units)"
 
 
+def _step_time(timeline: Timeline) -> str:
+    """A measured step's length, first action's start to last action's end: '130 ms'."""
+    scale, label = _time_scale(timeline)
+    unit = label[len("time ("):-1]
+    return f"{timeline.makespan * scale:.3g} {unit}"
+
+
 def _chunk_of(timeline: Timeline) -> dict[tuple[int, int], int]:
     """(row, stage) -> which of its row's model chunks the stage is, counted from the
     row's first stage. Read from the events rather than computed as ``stage // rows``,
@@ -50,15 +62,28 @@ def _chunk_of(timeline: Timeline) -> dict[tuple[int, int], int]:
             for k, stage in enumerate(sorted(held))}
 
 
+def _axes_points(ax: Axes) -> tuple[float, float]:
+    """The axes' width and height in points (1/72 inch), where a label must fit."""
+    box = ax.get_position()
+    return (box.width * ax.figure.get_figwidth() * 72,
+            box.height * ax.figure.get_figheight() * 72)
+
+
+def _legend(ax: Axes, handles: list) -> None:
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False,
+              fontsize=8)
+
+
 def gantt(timeline: Timeline, ax: Axes | None = None, title: str | None = None,
           labels: bool = True, legend: bool = True) -> Axes:
     """Draw one row per rank, one box per action, on a grey row that shows idle time.
 
     Boxes are coloured by kind (F, B, I, W) and carry the micro-batch number; when a
-    rank holds several stages (interleaved schedules) the stage is written small under
-    it and later model chunks are paler. The title ends with the bubble fraction, so a
-    chart always states the number it illustrates. Labels that would not fit their box
-    are left out rather than overprinted.
+    rank holds several stages (interleaved schedules) its later model chunks are paler
+    and hatched, and the stage is written under the number where the box is tall enough.
+    Labels are 8 pt; a label that would not fit its box is left out rather than
+    overprinted. The title ends with the bubble fraction, and for a measured timeline
+    (one with a unit) the step's length first, so a chart states the numbers it shows.
     """
     if not isinstance(timeline, Timeline):
         raise TypeError(f"gantt draws a Timeline (from simulate() or pipe.timeline), "
@@ -75,28 +100,40 @@ def gantt(timeline: Timeline, ax: Axes | None = None, title: str | None = None,
     chunks = max(chunk.values()) + 1
     interleaved = chunks > 1
 
+    def paler(k: int) -> float:
+        return 0.5 * k / (chunks - 1) if interleaved else 0.0
+
     for rank in range(timeline.ranks):
         ax.broken_barh([(0, span)], (rank - 0.4, 0.8), color=IDLE_COLOUR, zorder=0)
-        events = [e for e in timeline.events if e.rank == rank]
-        colours = [_lighter(KIND_COLOURS[e.action.kind],
-                            0.45 * chunk[e.rank, e.action.stage] / chunks) for e in events]
-        ax.broken_barh([(e.start * scale, e.duration * scale) for e in events],
-                       (rank - 0.4, 0.8), facecolors=colours, edgecolor="white",
-                       linewidth=0.6, zorder=1)
+        for k in range(chunks):
+            events = [e for e in timeline.events
+                      if e.rank == rank and chunk[e.rank, e.action.stage] == k]
+            if not events:
+                continue
+            boxes = ax.broken_barh(
+                [(e.start * scale, e.duration * scale) for e in events], (rank - 0.4, 0.8),
+                facecolors=[_lighter(KIND_COLOURS[e.action.kind], paler(k)) for e in events],
+                edgecolor="white", linewidth=0.6, zorder=1,
+                hatch=CHUNK_HATCHES[k % len(CHUNK_HATCHES)] or None)
+            boxes.set_hatchcolor(HATCH_COLOUR)
 
     if labels:
-        axes_points = ax.get_position().width * ax.figure.get_figwidth() * 72
+        width, height = _axes_points(ax)
+        two_lines = 0.8 * height / timeline.ranks >= 2.5 * LABEL_POINTS
         for e in timeline.events:
-            box_points = e.duration * scale / span * axes_points
-            text = str(e.action.microbatch)
-            if box_points < 6.5 * len(text) + 2:
-                continue
+            box_points = e.duration * scale / span * width
+            k = chunk[e.rank, e.action.stage]
+            colour = "white" if k == 0 else "black"
             centre = (e.start + e.duration / 2) * scale
-            ax.text(centre, e.rank - (0.12 if interleaved else 0), text, ha="center",
-                    va="center", fontsize=8, color="white", zorder=2)
-            if interleaved:
-                ax.text(centre, e.rank + 0.25, f"s{e.action.stage}", ha="center",
-                        va="center", fontsize=5.5, color="white", zorder=2)
+            lines = [str(e.action.microbatch)]
+            if interleaved and two_lines:
+                lines.append(f"s{e.action.stage}")
+            for j, text in enumerate(lines):
+                if box_points < 0.65 * LABEL_POINTS * len(text) + 2:
+                    continue
+                offset = (j - (len(lines) - 1) / 2) * 0.36
+                ax.text(centre, e.rank + offset, text, ha="center", va="center",
+                        fontsize=LABEL_POINTS, color=colour, zorder=2)
 
     ax.set_ylim(timeline.ranks - 0.5, -0.5)       # rank 0 on top, as in the papers
     ax.set_yticks(range(timeline.ranks), [f"rank {r}" for r in range(timeline.ranks)])
@@ -106,17 +143,35 @@ def gantt(timeline: Timeline, ax: Axes | None = None, title: str | None = None,
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
     name = timeline.title if title is None else title
-    bubble = f"bubble {timeline.bubble_fraction():.0%}"
-    ax.set_title(f"{name}: {bubble}" if name else bubble, loc="left", fontsize=10)
+    numbers = f"bubble {timeline.bubble_fraction():.0%}"
+    if timeline.unit:
+        numbers = f"step {_step_time(timeline)}, {numbers}"
+    ax.set_title(f"{name}: {numbers}" if name else numbers, loc="left", fontsize=10)
     if legend:
         kinds = [k for k in KIND_COLOURS if any(e.action.kind == k for e in timeline.events)]
         handles = [Patch(color=KIND_COLOURS[k], label=f"{k} {KIND_NAMES[k]}") for k in kinds]
-        if interleaved:
-            handles.append(Patch(color=_lighter("#555555", 0.45), label="paler: later chunk"))
+        handles += [Patch(facecolor=_lighter("#777777", paler(k)), edgecolor=HATCH_COLOUR,
+                          hatch=CHUNK_HATCHES[k % len(CHUNK_HATCHES)],
+                          label=f"chunk {k + 1} of a rank") for k in range(chunks)
+                    if interleaved]
         handles.append(Patch(color=IDLE_COLOUR, label="idle"))
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0),
-                  frameon=False, fontsize=8)
+        _legend(ax, handles)
     return ax
+
+
+def mark(ax: Axes, timeline: Timeline, times: Sequence[float], rows: Sequence[int],
+         label: str, marker: str = "v", colour: str = "black") -> None:
+    """Mark moments on a `gantt` of ``timeline`` (an all-reduce, say): ``times`` in the
+    timeline's own clock, one row each. A marker sits on the top edge of its row's boxes,
+    pointing down, so it never covers the numbers written in them; the legend gains it."""
+    scale, _ = _time_scale(timeline)
+    t0 = min(e.start for e in timeline.events)
+    (line,) = ax.plot([(t - t0) * scale for t in times], [r - 0.4 for r in rows], marker,
+                      color=colour, markersize=7, linestyle="", clip_on=False, zorder=3,
+                      label=label)
+    legend = ax.get_legend()
+    if legend is not None:
+        _legend(ax, [*legend.legend_handles, line])
 
 
 def bubble_vs_microbatches(ranks: Sequence[int], microbatches: Sequence[int],
@@ -166,8 +221,7 @@ def bubble_vs_microbatches(ranks: Sequence[int], microbatches: Sequence[int],
         markers.append(Line2D([], [], color="grey", marker="x", markeredgewidth=2,
                               linestyle="", label="measured"))
     handles, _ = ax.get_legend_handles_labels()
-    ax.legend(handles=handles + markers, frameon=False, fontsize=8,
-              loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    _legend(ax, handles + markers)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     return ax
