@@ -202,3 +202,39 @@ def test_optimal_split_does_not_depend_on_the_unit_of_the_costs(scale):
     assert optimal_split([c * scale for c in costs], 2) == [3, 3]
     assert optimal_split([c * scale for c in costs], 3) == [3, 1, 2]
     assert optimal_split([c * scale for c in [1, 1, 2]], 2) == [2, 1]
+
+
+# --------------------------------------------------------------------------- the loss
+
+
+def test_layer_times_charges_the_loss_and_its_backward_to_the_last_layer():
+    log, calls = [], []
+
+    def loss_fn(out, target):
+        calls.append(target.device.type)
+        return ((out - target) ** 2).mean()
+
+    model = nn.Sequential(Probe(log), Probe(log))
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    times = layer_times(model, x, repeats=2, loss_fn=loss_fn, target=y)
+    assert len(times) == 2
+    assert calls == ["cpu"] * 3                     # last layer only, every run
+    grads = backwards(log)
+    assert len(grads) == 6
+    # The first layer is seeded with ones; the last gets the loss's gradient.
+    assert all(torch.equal(g, torch.ones(2, 4)) for g in grads[:3])
+    assert not any(torch.equal(g, torch.ones(2, 4)) for g in grads[3:])
+
+    calls.clear()
+    assert balance_by_time(model, x, 2, repeats=1, loss_fn=loss_fn, target=y,
+                           device="meta") == [1, 1]
+    assert calls == ["meta"] * 2                    # the target goes where the layers run
+
+
+@pytest.mark.parametrize("kwargs", [{"loss_fn": lambda out, t: out.sum()},
+                                    {"target": torch.zeros(2, 4)}])
+def test_loss_fn_and_target_come_together(kwargs):
+    with pytest.raises(ValueError) as info:
+        layer_times(nn.Sequential(nn.ReLU()), torch.randn(2, 4), **kwargs)
+    assert str(info.value) == ("give loss_fn and target together (the loss of the last "
+                               "layer's output against the micro-batch's target), or neither")
