@@ -46,7 +46,7 @@ mutants: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
 	rm -rf mutants
 	ulimit -v 3000000 && OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 19 $(BIN)/mutmut run
-	$(BIN)/python tools/mutation_scores.py
+	$(BIN)/python tools/mutation_scores.py --min 90
 
 clean:
 	rm -rf $(VENV)
