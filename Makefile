@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: lab test bench figures gpu-check clean
+.PHONY: lab test bench figures gpu-check mutants clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,17 @@ bench: $(VENV)/.installed
 # On a GPU machine: the GPU tests, and Pipe.step on 2 GPUs against the ideal.
 gpu-check: $(VENV)/.installed
 	$(BIN)/python bench/gpu_check.py
+
+# Mutation testing of the core modules (tens of minutes; not part of CI). Needs
+# requirements-dev.txt. Configuration: [tool.mutmut] in pyproject.toml; equivalent survivors:
+# mutants-equivalent.md. A fresh run each time (mutmut keeps results in mutants/), niced, on
+# one intra-op thread, and with 3 GB of address space per process, so that a mutant that loops
+# forever appending to a list dies of MemoryError (a kill) instead of eating the machine's RAM.
+mutants: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
+	rm -rf mutants
+	ulimit -v 3000000 && OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 19 $(BIN)/mutmut run
+	$(BIN)/python tools/mutation_scores.py --min 90
 
 clean:
 	rm -rf $(VENV)
