@@ -12,6 +12,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
+from pipeline_lib import tree
+
 _side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
 
 
@@ -103,7 +105,8 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
 
 
 def transfer(value: Any, device: torch.device) -> Any:
-    """Move a tensor (or the tensors of a tuple) to ``device``; other values pass.
+    """Move a tensor (or every tensor of a tree, `pipeline_lib.tree`) to ``device``; other
+    values pass.
 
     Between GPUs the copy runs on the side streams of both (PyTorch runs a peer copy on
     the source GPU's current stream; the target's current stream waits for it), after
@@ -116,9 +119,9 @@ def transfer(value: Any, device: torch.device) -> Any:
     stream) on the target's compute stream, which reads it after we return. Without the
     second, the next copy could land in the block that the compute stream still reads.
     """
-    if isinstance(value, tuple):
-        return tuple(transfer(v, device) for v in value)
-    if not isinstance(value, Tensor) or value.device == device:
+    if not isinstance(value, Tensor):
+        return tree.map_tensors(lambda t: transfer(t, device), value)
+    if value.device == device:
         return value
     if not (value.is_cuda and device.type == "cuda"):
         return value.to(device)

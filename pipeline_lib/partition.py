@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves, tree_map_only
 
+from pipeline_lib import tree
 from pipeline_lib.memory import SavedActivations
 
 __all__ = ["optimal_split", "stage_costs", "check_balance", "group_layers", "layer_params",
@@ -217,7 +217,7 @@ def layer_times(module: nn.Sequential, sample: Activations, *, repeats: int = 5,
                          "output against the micro-batch's target), or neither")
     x, device = _first_input(sample, device)
     if target is not None:
-        target = tree_map_only(Tensor, lambda t: t.to(device), target)
+        target = tree.map_tensors(lambda t: t.to(device), target)
     last = len(module) - 1
     times = []
     for k, layer in enumerate(_profiling_copies(module, device)):
@@ -366,7 +366,7 @@ def _forward_backward(layer: nn.Module, x: Activations,
 
 
 def _tensors(value: Activations, what: str) -> list[Tensor]:
-    tensors = [t for t in tree_leaves(value) if isinstance(t, Tensor)]
+    tensors = tree.tensors(value)
     if not tensors:
         raise TypeError(f"{what} holds no tensor: it must be a Tensor, or tuples, lists or "
                         f"dicts of them; got {type(value).__name__}")
@@ -375,7 +375,7 @@ def _tensors(value: Activations, what: str) -> list[Tensor]:
 
 def _detached(value: Activations) -> Activations:
     """The next layer's input: same data, but a fresh leaf so backward stops here."""
-    return tree_map_only(Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value)
+    return tree.map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), value)
 
 
 def _first_input(sample: Activations, device: torch.device | str | None
@@ -384,7 +384,7 @@ def _first_input(sample: Activations, device: torch.device | str | None
     detached like every other layer's input, so the caller's ``sample.grad`` is untouched."""
     first = _tensors(sample, "sample")[0]
     device = torch.device(device) if device is not None else first.device
-    return _detached(tree_map_only(Tensor, lambda t: t.to(device), sample)), device
+    return _detached(tree.map_tensors(lambda t: t.to(device), sample)), device
 
 
 def _synchronize(device: torch.device) -> None:

@@ -25,7 +25,6 @@ from torch import Tensor, nn
 
 from pipeline_lib import tree
 from pipeline_lib.checkpoint import checkpointed, checkpointing, recomputing
-from pipeline_lib.devices import transfer
 from pipeline_lib.loss import MicroLoss, micro_loss
 from pipeline_lib.rng import microbatch_rng, seed_for
 from pipeline_lib.skip import SkipKey, SkipTracker, describe, use_tracker
@@ -33,11 +32,6 @@ from pipeline_lib.skip import SkipKey, SkipTracker, describe, use_tracker
 LossFn = Callable[[Any, Any], Any]   # -> a mean-reduced loss, or (loss_sum, count)
 # (seed, device) -> the block in which a micro-batch draws its random numbers
 RandomStream = Callable[[int, torch.device], ContextManager[None]]
-
-
-def to_device(value: Any, device: torch.device) -> Any:
-    """Move every tensor of ``value`` (a tree) to ``device`` (`devices.transfer`)."""
-    return tree.map_tensors(lambda t: transfer(t, device), value)
 
 
 def detach_as_leaf(value: Any) -> Any:

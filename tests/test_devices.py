@@ -164,3 +164,10 @@ def test_nochunk_gives_the_whole_tensor_to_every_micro_batch(run):
         assert all(torch.equal(seen, mask) for seen in layer.masks_seen)
     with pytest.raises(ValueError, match="disagree on the batch size"):
         pipe((x, mask))   # unwrapped, the mask would be split like the batch
+
+
+def test_transfer_moves_every_tensor_of_a_tree():
+    x, ids = torch.randn(2), torch.arange(2)
+    moved = transfer({"x": x, "rest": (ids, "flag")}, torch.device("meta"))
+    assert moved["x"].device.type == "meta" and moved["rest"][0].device.type == "meta"
+    assert moved["rest"][0].dtype == torch.int64 and moved["rest"][1] == "flag"

@@ -18,7 +18,7 @@ from pipeline_lib.partition import group_layers
 from pipeline_lib.rng import microbatch_rng, seed_for
 from pipeline_lib.schedules import build
 from pipeline_lib.skip import pop, skip_routes, skippable, stash
-from pipeline_lib.stage import StageRunner, detach, detach_as_leaf, to_device
+from pipeline_lib.stage import StageRunner, detach, detach_as_leaf
 from pipeline_lib.timeline import simulate
 from conftest import assert_same_grads
 
@@ -411,13 +411,6 @@ def test_an_output_without_graph_takes_no_gradient(method):
     grad = getattr(runner, method)(0, (torch.ones(2, 3), torch.full((2, 1), 5.0)))
     torch.testing.assert_close(grad, torch.full((2, 3), 2.0))
     assert torch.equal(ones, torch.ones(2, 1))
-
-
-def test_to_device_moves_every_tensor_of_a_tree():
-    x, ids = torch.randn(2), torch.arange(2)
-    moved = to_device({"x": x, "rest": (ids, "flag")}, torch.device("meta"))
-    assert moved["x"].device.type == "meta" and moved["rest"][0].device.type == "meta"
-    assert moved["rest"][0].dtype == torch.int64 and moved["rest"][1] == "flag"
 
 
 # --------------------------------------------------------------------------- losses

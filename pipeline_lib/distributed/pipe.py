@@ -96,6 +96,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipeline_lib import tree
 from pipeline_lib.checkpoint import check_mode
+from pipeline_lib.devices import transfer
 from pipeline_lib.distributed.mesh import Mesh, check_same_everywhere
 from pipeline_lib.loss import StepGradients, check_count, check_grad_mode, total_count
 from pipeline_lib.microbatch import check_rows, loss_weights, split
@@ -105,7 +106,7 @@ from pipeline_lib.distributed.p2p import (Message, PostedEarly, Transport, batch
 from pipeline_lib.rng import new_step_seed, owned_rng, seed_for
 from pipeline_lib.schedules import Action, Schedule, plan
 from pipeline_lib.skip import skip_routes
-from pipeline_lib.stage import LossFn, StageRunner, to_device
+from pipeline_lib.stage import LossFn, StageRunner
 from pipeline_lib.timeline import Event, Timeline
 
 
@@ -234,7 +235,7 @@ class DistributedPipe:
         s, i, last = action.stage, action.microbatch, self.schedule.stages - 1
         if action.kind == "F":
             if s == 0:
-                return to_device(micro_in[i], self.mesh.device)
+                return transfer(micro_in[i], self.mesh.device)
             return _unpacked(self.transport.receive(self.schedule.rank_of(s - 1),
                                                     Message("activation", s, i)))
         if action.kind in ("B", "I") and s < last:
@@ -247,7 +248,7 @@ class DistributedPipe:
         s, i, kind = action.stage, action.microbatch, action.kind
         rank_of, last = self.schedule.rank_of, self.schedule.stages - 1
         if kind == "F":
-            target = to_device(micro_target[i], self.mesh.device) if s == last else None
+            target = transfer(micro_target[i], self.mesh.device) if s == last else None
             try:
                 y = runner.forward(i, received, target)
             except Exception as exc:

@@ -21,7 +21,7 @@ from pipeline_lib.partition import group_layers
 from pipeline_lib.rng import new_step_seed
 from pipeline_lib.schedules import BUILDERS, Action, Schedule, plan, ranks_for
 from pipeline_lib.skip import SkipError, SkipKey, describe, skip_routes
-from pipeline_lib.stage import LossFn, StageRunner, to_device
+from pipeline_lib.stage import LossFn, StageRunner
 from pipeline_lib.threaded import allocator
 from pipeline_lib.threaded.threads import Mailbox, run_programs
 from pipeline_lib.timeline import Timeline
@@ -192,13 +192,13 @@ class Pipe(nn.Module):
         def compute(action: Action, received: tuple[Any, dict[SkipKey, Tensor]]) -> None:
             s, i = action.stage, action.microbatch
             x, skips = received
-            x = to_device(x, self.devices[s])
+            x = transfer(x, self.devices[s])
             y, stashed = _StageFunction.run(runners[s], i, x, skips)
             self._send_skips(mailbox, s, i, stashed)
             if s == n - 1:
                 outputs[i] = y
             else:
-                mailbox.put((s + 1, i), to_device(y, self.devices[s + 1]))
+                mailbox.put((s + 1, i), transfer(y, self.devices[s + 1]))
 
         programs = [[Action(s, "F", i) for i in range(m)] for s in range(n)]
         self._run_programs(programs, self.devices, receive, compute, mailbox, "forward")
@@ -261,11 +261,11 @@ class Pipe(nn.Module):
             runner, device = runners[s], self.devices[s]
             if action.kind == "F":
                 x, skips = received
-                target_i = to_device(micro_target[i], device) if s == n - 1 else None
-                y = runner.forward(i, to_device(x, device), target_i, skips=skips)
+                target_i = transfer(micro_target[i], device) if s == n - 1 else None
+                y = runner.forward(i, transfer(x, device), target_i, skips=skips)
                 self._send_skips(mailbox, s, i, runner.take_stashed(i))
                 if s < n - 1:
-                    mailbox.put(("F", s + 1, i), to_device(y, self.devices[s + 1]))
+                    mailbox.put(("F", s + 1, i), transfer(y, self.devices[s + 1]))
             elif action.kind == "W":
                 runner.backward_weight(i)
             else:
@@ -274,7 +274,7 @@ class Pipe(nn.Module):
                 grad_in = backward(i, grad, skip_grads=skip_grads)
                 self._send_skip_grads(mailbox, i, runner.take_skip_grads(i))
                 if s > 0:
-                    mailbox.put(("B", s - 1, i), to_device(grad_in, self.devices[s - 1]))
+                    mailbox.put(("B", s - 1, i), transfer(grad_in, self.devices[s - 1]))
 
         rank_devices = [self.devices[plan.stages_on(r)[0]] for r in range(plan.ranks)]
         grads = StepGradients(self.parameters())
