@@ -239,14 +239,19 @@ def launcher_args(description: str, microbatches: list[int], steps: int,
     return args
 
 
+def launcher_setup(args: argparse.Namespace) -> tuple[Config, torch.Tensor]:
+    """The launcher's model config and a micro-batch-sized sample to balance stages with."""
+    config = QUICK if args.quick else HEADLINE
+    torch.set_num_threads(1)
+    return config, batch(config)[0][:config.batch // max(args.microbatches)]
+
+
 def main() -> None:
     args = launcher_args(__doc__.split("\n\n")[0], [4, 8], 4, "--balance")
     if args.worker:
         worker(args)
         return
-    config = QUICK if args.quick else HEADLINE
-    torch.set_num_threads(1)
-    sample = batch(config)[0][:config.batch // max(args.microbatches)]
+    config, sample = launcher_setup(args)
     balance = balance_by_time(build(config), sample, 2)
     seq1 = sequential(config, 1, args.warmup, args.steps)
     seq2 = sequential(config, 2, args.warmup, args.steps)

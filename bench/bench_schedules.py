@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench_distributed import (HEADLINE, QUICK, Config, batch, build, launcher_args, lm_loss,
+from bench_distributed import (Config, batch, build, launcher_args, launcher_setup, lm_loss,
                                zero_grad_of)
 from pipeline_lib.distributed import DistributedPipe
 from pipeline_lib.distributed.job import process_group
@@ -170,9 +170,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    config = QUICK if args.quick else HEADLINE
-    torch.set_num_threads(1)
-    sample = batch(config)[0][:config.batch // max(args.microbatches)]
+    config, sample = launcher_setup(args)
     model = build(config)
     balances = {per_rank: balance_by_time(model, sample, 2 * per_rank) for per_rank in (1, 2)}
     report(config, balances, launch_ranks(config, balances, args))
