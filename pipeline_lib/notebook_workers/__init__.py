@@ -1,8 +1,8 @@
 """Code that exists for one notebook's ``torchrun`` workers, kept importable because a
 worker process cannot run a function defined inside a notebook.
 
-* `ddp_pipeline`: notebook 04, a pipeline replicated with DistributedDataParallel;
-* `torch_pipelining`: notebook 05, the same model on ``torch.distributed.pipelining``;
-* `data_parallel`: notebook 06, ``replicate`` / ``scatter`` / ``parallel_apply`` /
+* `ddp_pipeline`: notebook 05, a pipeline replicated with DistributedDataParallel;
+* `torch_pipelining`: notebook 06, the same model on ``torch.distributed.pipelining``;
+* `data_parallel`: notebook 04, ``replicate`` / ``scatter`` / ``parallel_apply`` /
   ``gather`` spelled out, and a DDP worker.
 """

@@ -1,5 +1,5 @@
 """A pipeline replicated with DistributedDataParallel, recorded rank by rank: the torchrun
-job of notebook 04.
+job of notebook 05.
 
     torchrun --nproc-per-node 4 -m pipeline_lib.notebook_workers.ddp_pipeline WORKDIR
 

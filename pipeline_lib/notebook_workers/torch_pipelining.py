@@ -50,7 +50,7 @@ from pipeline_lib.lm.loops import lm_loss
 from pipeline_lib.notebook_workers import results
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-pytorch_schedule = pytorch_schedules.pytorch_schedule   # notebook 05 imports it from here
+pytorch_schedule = pytorch_schedules.pytorch_schedule   # notebook 06 imports it from here
 SPLITS = ("manual", "tracer")
 RESULTS = "rank"   # each process saves WORKDIR/SCHEDULE-SPLIT/rank{rank}.pt
 
