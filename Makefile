@@ -1,13 +1,15 @@
 # Two entry points, each self-contained on a fresh machine:
 #   make lab    create/update .venv, install everything, open JupyterLab on notebooks/
 #               (as root too; prints the URL where no browser can open; make lab PORT=9000)
+#   make student  write the student versions of the notebooks (exercises stubbed, no
+#               outputs) into student/, not committed; open them with make lab FOLDER=student
 #   make test   create/update .venv, install everything, run the unit tests and every notebook,
 #               under nbval and in JupyterLab in Chromium (screenshots in out/browser/)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: lab test bench figures gpu-check mutants clean
+.PHONY: lab student test bench figures gpu-check mutants clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,9 +22,13 @@ $(VENV)/.installed: requirements.txt pyproject.toml | $(BIN)/python
 
 # Empty: Jupyter's default (8888, or $JUPYTER_PORT); a taken port moves to the next free one.
 PORT ?=
+FOLDER ?= notebooks
 
 lab: $(VENV)/.installed
-	$(BIN)/python tools/lab.py $(if $(PORT),--port=$(PORT))
+	$(BIN)/python tools/lab.py --folder=$(FOLDER) $(if $(PORT),--port=$(PORT))
+
+student: $(VENV)/.installed
+	$(BIN)/python tools/student.py student
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -p no:cacheprovider tests notebooks --nbval --nbval-current-env -q -rs

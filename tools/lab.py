@@ -34,9 +34,10 @@ def has_display() -> bool:
     return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
 
 
-def lab_command(port: int | None = None, extra: list[str] | None = None) -> list[str]:
+def lab_command(port: int | None = None, extra: list[str] | None = None,
+                folder: Path = NOTEBOOKS) -> list[str]:
     """The command line `make lab` runs, in this interpreter's environment."""
-    cmd = [sys.executable, "-m", "jupyterlab", str(NOTEBOOKS)]
+    cmd = [sys.executable, "-m", "jupyterlab", str(folder)]
     if port is not None:
         cmd.append(f"--port={port}")
     if is_root():
@@ -49,8 +50,12 @@ def lab_command(port: int | None = None, extra: list[str] | None = None) -> list
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, help="port to try first (default: Jupyter's, 8888)")
+    parser.add_argument("--folder", type=Path, default=NOTEBOOKS,
+                        help="folder to open (default: notebooks/; student/ after make student)")
     args, extra = parser.parse_known_args(argv)
-    cmd = lab_command(args.port, extra)
+    if not args.folder.is_dir():
+        parser.error(f"{args.folder} is not a folder (make student writes student/)")
+    cmd = lab_command(args.port, extra, args.folder.resolve())
     print(
         "Starting JupyterLab. Open the http://127.0.0.1:PORT/lab?token=... URL it prints below;\n"
         "if the port is taken it picks the next free one, so use the URL as printed.\n"

@@ -1,0 +1,106 @@
+"""The exercises can fail: on the student version (nbgrader's stubs) every check fails with
+its own exercise's message, and on the instructor version (``notebooks/``) every one passes.
+
+A check that passed on the stub would grade every learner right; a check that failed on the
+solution would grade every learner wrong. Both are bugs this file exists to catch.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from conftest import notebook_needs_wikitext
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from student import student_version  # noqa: E402
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+NAME = re.compile(r"""with exercise\((["'])(.+?)\1\)""")
+RUN_S = 300        # one notebook, cell timeout; the notebooks run in under two minutes
+
+
+def nbgrader(cell) -> dict:
+    return cell.metadata.get("nbgrader", {})
+
+
+def checks(nb) -> list[tuple[int, str]]:
+    """(cell index, exercise name) of every autograded check cell."""
+    found = []
+    for i, cell in enumerate(nb.cells):
+        if nbgrader(cell).get("grade"):
+            match = NAME.search(cell.source)
+            assert match, f"check cell {nbgrader(cell).get('grade_id')} has no " \
+                          f"`with exercise(\"...\")` block"
+            found.append((i, match.group(2)))
+    return found
+
+
+def errors(cell) -> list[dict]:
+    return [o for o in cell.get("outputs", []) if o.output_type == "error"]
+
+
+def params():
+    return [pytest.param(nb, id=nb.stem,
+                         marks=[pytest.mark.wikitext2] if notebook_needs_wikitext(nb) else [])
+            for nb in NOTEBOOKS]
+
+
+@pytest.mark.parametrize("notebook", params())
+def test_instructor_version_is_marked_for_nbgrader_and_passes(notebook):
+    nb = nbformat.read(notebook, as_version=4)
+    found = checks(nb)
+    assert len(found) >= 2, f"{notebook.name} has {len(found)} exercises; every notebook " \
+                            f"needs at least two"
+    names = [name for _, name in found]
+    assert len(set(names)) == len(names), f"{notebook.name}: two checks share a name"
+    ids = [nbgrader(c)["grade_id"] for c in nb.cells if nbgrader(c)]
+    assert len(set(ids)) == len(ids), f"{notebook.name}: nbgrader grade_ids must be unique"
+    for cell in nb.cells:
+        meta = nbgrader(cell)
+        if meta.get("solution"):
+            assert "### BEGIN SOLUTION" in cell.source and "### END SOLUTION" in cell.source
+        if meta.get("grade"):
+            assert meta.get("points", 0) > 0 and meta.get("locked"), meta
+    for i, name in found:      # the stored outputs: nbval re-runs them and compares
+        cell = nb.cells[i]
+        assert not errors(cell), f"{notebook.name}: {name} fails on its solution"
+        text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+        assert f"{name}: passed" in text, f"{notebook.name}: {name} did not print that it passed"
+
+
+def test_enough_exercises_ask_for_code():
+    """A solution that defines a function or class asks for code, not a number."""
+    code = [cell for nb in NOTEBOOKS for cell in nbformat.read(nb, as_version=4).cells
+            if nbgrader(cell).get("solution") and cell.cell_type == "code"
+            and re.search(r"^\s*(def|class) ", cell.source.split("### BEGIN SOLUTION")[0],
+                          re.MULTILINE)]
+    assert len(code) >= 8, f"only {len(code)} exercises ask for code"
+
+
+@pytest.mark.timeout(len(NOTEBOOKS) * RUN_S)
+@pytest.mark.parametrize("notebook", params())
+def test_student_version_fails_every_check_with_its_message(notebook):
+    nb = student_version(notebook)
+    assert "### BEGIN SOLUTION" not in "".join(c.source for c in nb.cells)
+    NotebookClient(nb, timeout=RUN_S, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(notebook.parent)}}).execute()
+    found = checks(nb)
+    for i, name in found:
+        failures = errors(nb.cells[i])
+        assert failures, f"{notebook.name}: {name} passed on the stub"
+        assert failures[0]["ename"] == "ExerciseFailed" and \
+            failures[0]["evalue"].startswith(f"{name}:"), \
+            f"{notebook.name}: {name} failed with {failures[0]['ename']}: " \
+            f"{failures[0]['evalue']}, not with its own message"
+    graded = {i for i, _ in found}
+    for i, cell in enumerate(nb.cells):
+        if i not in graded and not nbgrader(cell).get("solution"):
+            assert not errors(cell), \
+                f"{notebook.name}: cell {i} fails in the student version (it must not " \
+                f"depend on an exercise's solution): {errors(cell)[0]['evalue']}\n{cell.source}"
