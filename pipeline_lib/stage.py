@@ -23,7 +23,7 @@ from typing import Any, Callable, ContextManager, Mapping
 import torch
 from torch import Tensor, nn
 
-from pipeline_lib import tree
+from pipeline_lib import split_backward, tree
 from pipeline_lib.checkpoint import checkpointed, checkpointing, recomputing
 from pipeline_lib.loss import MicroLoss, micro_loss
 from pipeline_lib.rng import microbatch_rng, seed_for
@@ -101,7 +101,7 @@ class StageRunner:
         self.skips_in: dict[int, dict[SkipKey, Tensor]] = {}     # popped here, as leaves
         self.skips_out: dict[int, dict[SkipKey, Tensor]] = {}    # stashed here, to send
         self.skip_grads_out: dict[int, dict[SkipKey, Tensor | None]] = {}
-        self.pending_weight: dict[int, tuple[list[Tensor], list[Tensor | None]]] = {}
+        self.pending_weight: dict[int, split_backward.WeightGradients] = {}
         self.losses: dict[int, MicroLoss] = {}
 
     @property
@@ -222,27 +222,17 @@ class StageRunner:
     def backward_input(self, microbatch: int, grad: Any = None,
                        skip_grads: Mapping[SkipKey, Tensor | None] | None = None) -> Any:
         """I of a split backward: only the input gradient, which the previous stage waits
-        for. The graph is kept for the W that follows."""
+        for. What W needs (the gradients at the weights' branch points) is kept for it."""
         outputs, grads = self._pairs(microbatch, grad, skip_grads)
         leaves, skip_leaves = self._leaves(microbatch), self._skip_leaves(microbatch)
         wanted = leaves + list(skip_leaves.values())
-        found: list[Tensor | None] = [None] * len(wanted)
-        if wanted and outputs:
-            found = list(torch.autograd.grad(outputs, wanted, grads, retain_graph=True,
-                                             allow_unused=True))
-        self.pending_weight[microbatch] = (outputs, grads)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        found, self.pending_weight[microbatch] = split_backward.backward_input(
+            outputs, grads, wanted, params)
         return self._input_grads(microbatch, found[:len(leaves)],
                                  dict(zip(skip_leaves, found[len(leaves):])))
 
     def backward_weight(self, microbatch: int) -> None:
-        """W of a split backward: the weight gradients, off the critical path.
-
-        Autograd cannot resume a backward half-way, so W walks the stage's graph again
-        (computing only what leads to the weights): W costs about as much as a full
-        backward, and I + W more than B. The schedule still gains wherever W fills an
-        otherwise idle slot; the simulator's ``weight`` cost models this.
-        """
-        outputs, grads = self.pending_weight.pop(microbatch)
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        if outputs and params:
-            torch.autograd.backward(outputs, grads, inputs=params)
+        """W of a split backward: the weight gradients, off the critical path. It starts
+        where I stopped (`split_backward`), so I + W costs about what B costs."""
+        self.pending_weight.pop(microbatch).run()
