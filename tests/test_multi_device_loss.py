@@ -36,7 +36,7 @@ def plain(x, target):
 
 
 def multi(x, target, devices, chunk, **kwargs):
-    decoder, generator = decoder_and_generator()
+    decoder, generator = (module.to(devices[0]) for module in decoder_and_generator())
     loss = multi_device_loss_backward(decoder(x.to(devices[0])), generator,
                                       target.to(devices[0]), devices, chunk, **kwargs)
     return loss, decoder, generator
