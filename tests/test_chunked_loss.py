@@ -47,3 +47,29 @@ def test_chunked_loss_rejects_bad_input():
         chunked_loss_backward(features, model[-1], torch.zeros(2, 5, dtype=torch.long), 0)
     with pytest.raises(ValueError, match="disagree"):
         chunked_loss_backward(features, model[-1], torch.zeros(2, 4, dtype=torch.long), 2)
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 7])
+def test_padding_counts_for_nothing_as_in_cross_entropy(chunk):
+    model = tiny_model()
+    features = torch.randn(3, 7, 16, requires_grad=True)
+    target = torch.randint(0, VOCAB, (3, 7))
+    target[1, 4:] = -100
+    target[2, :] = -100
+    loss = chunked_loss_backward(features, model[-1], target, chunk)
+    reference = tiny_model()
+    features0 = features.detach().clone().requires_grad_()
+    expected = torch.nn.functional.cross_entropy(reference[-1](features0).flatten(0, 1),
+                                                 target.flatten())
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    torch.testing.assert_close(features.grad, features0.grad)
+    for p, q in zip(model[-1].parameters(), reference[-1].parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_a_batch_of_padding_only_is_refused():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="every target is ignore_index"):
+        chunked_loss_backward(torch.randn(2, 3, 16), model[-1],
+                              torch.full((2, 3), -100), chunk=2)

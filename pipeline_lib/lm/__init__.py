@@ -7,5 +7,6 @@ Nothing in the core imports this package; it is what the executors are exercised
   (verified download, or ``$PIPELINE_LIB_DATA``), ``batchify`` and ``get_batch``;
 * `loops`: token-weighted ``evaluate`` and ``train_epoch``, for a plain model or a pipeline;
 * `chunked_loss`: the vocabulary projection and its loss, a slice at a time;
+* `multi_device_loss`: the same, rows split over devices (``MultiGPULossCompute``);
 * `train`: the ``torchrun -m pipeline_lib.lm.train`` program (multi-process training).
 """

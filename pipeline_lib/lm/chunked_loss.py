@@ -14,9 +14,9 @@ logits only, so
 3. backward through the body once, from the leaf's gradient.
 
 The gradients are those of the unchunked loss (a sum splits into partial sums), while the
-logits alive at any moment shrink from T positions to ``chunk``. The Annotated
-Transformer's ``MultiGPULossCompute`` does the same (splitting over GPUs as well), and
-so do today's fused "chunked cross-entropy" kernels.
+logits alive at any moment shrink from T positions to ``chunk``. Today's fused "chunked
+cross-entropy" kernels do the same; `multi_device_loss` splits the rows over devices as
+well, as the Annotated Transformer's ``MultiGPULossCompute`` does.
 """
 from __future__ import annotations
 
@@ -25,29 +25,53 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-def chunked_loss_backward(features: Tensor, head: nn.Module, target: Tensor,
-                          chunk: int) -> Tensor:
-    """Backward the mean cross-entropy of ``head(features)`` against ``target`` through
-    ``head`` in slices of ``chunk`` positions, then once through whatever computed
-    ``features``. Returns the loss, detached.
+IGNORE_INDEX = -100   # F.cross_entropy's default: a target equal to it counts for nothing
 
-    ``features`` is ``[B, T, D]`` (batch first), still attached to the body's graph;
-    ``target`` is ``[B, T]`` token ids.
-    """
+
+def check_loss_inputs(features: Tensor, target: Tensor, chunk: int) -> None:
+    """Raise a ValueError that says what to fix if ``features``, ``target`` and ``chunk``
+    cannot go through `chunked_loss_backward` (checked before any work is split up)."""
     if chunk < 1:
         raise ValueError(f"chunk must be a positive number of positions, got {chunk}")
     if features.shape[:-1] != target.shape:
         raise ValueError(f"features {tuple(features.shape)} and target "
                          f"{tuple(target.shape)} disagree: expected features [B, T, D] "
                          f"for target [B, T]")
+
+
+def counted_tokens(target: Tensor, ignore_index: int = IGNORE_INDEX) -> int:
+    """The number of targets the mean loss divides by: those that are not padding."""
+    tokens = int((target != ignore_index).sum())
+    if tokens == 0:
+        raise ValueError(f"every target is ignore_index ({ignore_index}): a mean over no "
+                         f"tokens is undefined; leave such batches out")
+    return tokens
+
+
+def chunked_loss_backward(features: Tensor, head: nn.Module, target: Tensor,
+                          chunk: int, *, ignore_index: int = IGNORE_INDEX,
+                          tokens: int | None = None) -> Tensor:
+    """Backward the mean cross-entropy of ``head(features)`` against ``target`` through
+    ``head`` in slices of ``chunk`` positions, then once through whatever computed
+    ``features``. Returns the loss, detached.
+
+    ``features`` is ``[B, T, D]`` (batch first), still attached to the body's graph;
+    ``target`` is ``[B, T]`` token ids, where ``ignore_index`` marks padding. The mean
+    divides by ``tokens``, by default ``target``'s count of real tokens; a caller that
+    computes one part of a larger batch passes the whole batch's count, so that the
+    parts' losses and gradients are shares of one mean and simply add up.
+    """
+    check_loss_inputs(features, target, chunk)
+    if tokens is None:
+        tokens = counted_tokens(target, ignore_index)
     leaf = features.detach().requires_grad_(features.requires_grad)
-    tokens = target.numel()
     total = torch.zeros((), device=features.device)
     for start in range(0, target.size(1), chunk):
         positions = slice(start, start + chunk)
         # Unnamed, the logits are freed as soon as the loss has their log-softmax.
         part = F.cross_entropy(head(leaf[:, positions]).flatten(0, 1),
-                               target[:, positions].flatten(), reduction="sum") / tokens
+                               target[:, positions].flatten(), reduction="sum",
+                               ignore_index=ignore_index) / tokens
         part.backward()
         total += part.detach()
     if features.requires_grad:

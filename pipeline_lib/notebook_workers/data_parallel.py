@@ -68,8 +68,10 @@ def scatter(inputs: Tensor, devices: Sequence[Device]) -> list[Tensor]:
     return [chunk.to(device) for chunk, device in zip(chunks, devices)]
 
 
-def parallel_apply(modules: Sequence[nn.Module], inputs: Sequence[Tensor]) -> list[Any]:
-    """``modules[i](inputs[i])`` for every i at once, one thread each.
+def parallel_apply(modules: Sequence[Callable[[Any], Any]],
+                   inputs: Sequence[Any]) -> list[Any]:
+    """``modules[i](inputs[i])`` for every i at once, one thread each (any callables do:
+    `multi_device_loss` runs a loss-and-backward function per device).
 
     An exception in any thread is raised here, naming the replica, once all have
     finished: none is left running.
