@@ -9,7 +9,7 @@ One schedule representation, two executors. The core, at this level:
   with `memory` measuring what autograd saves;
 * `microbatch`: split a batch into micro-batches, gather the outputs, scale the loss;
 * `stage`: `StageRunner`, what one stage does for each action (F, B, I, W), used by both
-  executors; with `checkpoint` (recompute activations), `rng` (dropout that replays),
+  executors; with `split_backward` (W resumes where I stopped), `checkpoint` (recompute activations), `rng` (dropout that replays),
   `skip` (skip connections across stages), `batchnorm` and `devices`.
 
 The executors, one package each, run the same `Schedule`:
@@ -21,7 +21,10 @@ The executors, one package each, run the same `Schedule`:
 `sync` is the classic ``torch.distributed.pipeline.sync.Pipe`` API (removed from PyTorch in
 2.4) as a thin layer over `Pipe`, so old tutorial code runs with its import changed.
 
-Around them: `viz` (Gantt charts and the README's figures), `lm` (the
+`data_parallel` is ``nn.DataParallel`` from its four primitives, on any devices.
+
+Around them: `viz` (Gantt charts and the README's figures), `exercises` (the notebooks'
+checks), `lm` (the
 Transformer language model, WikiText-2 and the training loops the notebooks use) and
 `notebook_workers` (code that only one notebook's ``torchrun`` workers run).
 """

@@ -6,10 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline_lib.notebook_workers.data_parallel import (data_parallel_step, parallel_apply,
-                                                         parallel_gather, read_ddp_replicas,
-                                                         reduce_gradients, replicate, scatter,
-                                                         write_ddp_setup)
+from pipeline_lib.data_parallel import (data_parallel_step, parallel_apply, parallel_gather,
+                                        reduce_gradients, replicate, scatter)
+from pipeline_lib.notebook_workers.data_parallel import read_ddp_replicas, write_ddp_setup
 from pipeline_lib.distributed.launch import torchrun
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.lm.loops import lm_loss
