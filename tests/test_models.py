@@ -1,5 +1,8 @@
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pipeline_lib.lm.model import CausalBlock, Decoder, Embedding, transformer_lm
@@ -64,11 +67,26 @@ def test_dropout_is_active_in_train_mode_only(ids):
     assert torch.equal(model(ids), model(ids))
 
 
-def test_tutorial_initialisation(model):
+def test_initialisation(model):
     embedding, decoder = model[0].tokens.weight, model[-1].linear
-    for weight in (embedding, decoder.weight):
-        assert weight.abs().max() <= 0.1 and weight.std() > 0.05  # uniform(-0.1, 0.1)
+    assert embedding.abs().max() <= 0.1 and embedding.std() > 0.05  # the tutorial's +-0.1
+    bound = 1 / math.sqrt(SMALL["d_model"])  # the decoder's scales with the width
+    assert decoder.weight.abs().max() <= bound and decoder.weight.std() > bound / 2
     assert torch.count_nonzero(decoder.bias) == 0
+
+
+@pytest.mark.parametrize("preset", ["cpu", "tutorial"])
+@torch.no_grad()
+def test_untrained_loss_is_a_uniform_guess_at_every_width(preset):
+    # Only the width sets the decoder's logit scale, so one block at full width is enough
+    # to check the 1.4B preset (~0.5 GB here). The tutorial's fixed +-0.1 decoder init
+    # gave ~6.5 nats above ln V at width 4096.
+    vocab = 2000
+    torch.manual_seed(0)
+    model = transformer_lm(vocab, preset, nlayers=1, dropout=0.0)
+    ids = torch.randint(0, vocab, (4, 35), generator=torch.Generator().manual_seed(1))
+    loss = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).item()
+    assert abs(loss - math.log(vocab)) < 0.5, (preset, loss, math.log(vocab))
 
 
 def test_tutorial_preset_has_the_tutorials_1_4b_parameters():

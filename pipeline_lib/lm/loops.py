@@ -202,10 +202,10 @@ def fit(
     ``torchrun`` program, a different thing.
 
     AdamW at 1e-3 rather than the tutorial's SGD at lr=5.0. That SGD rate was tuned for
-    the small 200-wide model; on the 4096-wide preset the tutorial's init gives logits
-    with std ~3.7 (4096 unit-variance features x uniform(+-0.1) weights), the first
-    gradients are large and SGD at 5.0 diverges, while Adam's per-parameter step size is
-    insensitive to gradient scale. ``seed`` fixes dropout; seed model construction
+    the small 200-wide model; on the 4096-wide model the tutorial's init gave logits
+    with std ~3.7 (4096 unit-variance features x uniform(+-0.1) weights; our `Decoder`
+    scales its init with the width instead), the first gradients were large and SGD at
+    5.0 diverged, while Adam's per-parameter step size is insensitive to gradient scale. ``seed`` fixes dropout; seed model construction
     yourself (:func:`seed_everything`) to fix initialisation too. ``max_steps`` caps both
     the training and the validation batches of each epoch.
     """
