@@ -181,19 +181,27 @@ def test_bad_input_is_explained():
 
 
 def test_bubble_curves_follow_theory_simulation_and_measurements():
-    ax = bubble_vs_microbatches([2, 4], [1, 2, 4, 8], [1, 2],
+    ax = bubble_vs_microbatches([2, 4], [1, 2, 3, 4, 6, 8], [1, 2],
                                 measured={(2, 1): {1: 0.45, 4: 0.2}}, ax=axes(7, 4))
     drawn = ax.lines          # per (p, v): the theory line, its simulated dots, measured
-    curves = {(2, 1): [1, 2, 4, 8], (2, 2): [2, 4, 8], (4, 1): [1, 2, 4, 8], (4, 2): [4, 8]}
+    ms = [1, 2, 3, 4, 6, 8]
     k = 0
-    for (p, v), ms in curves.items():
+    for p, v in [(2, 1), (2, 2), (4, 1), (4, 2)]:
         theory, dots = drawn[k], drawn[k + 1]
         assert theory.get_label() == f"p={p}" + (f", v={v}" if v > 1 else "")
         assert list(theory.get_ydata()) == pytest.approx(
             [bubble_theory(p, m, v) for m in theory.get_xdata()])
-        assert (theory.get_xdata()[0], theory.get_xdata()[-1]) == (ms[0], ms[-1])
+        # interleaved: the formula's line from m = p, where it holds
+        start = 1 if v == 1 else p
+        assert (theory.get_xdata()[0], theory.get_xdata()[-1]) == (start, 8)
+        # the simulator at every m, interleaved too (it takes any m >= 1)
         assert dots.get_marker() == "o" and list(dots.get_xdata()) == ms
-        assert list(dots.get_ydata()) == pytest.approx([bubble_theory(p, m, v) for m in ms])
+        for m, y in zip(ms, dots.get_ydata()):
+            if m >= start:
+                assert y == pytest.approx(bubble_theory(p, m, v)), (p, v, m)
+            else:    # one round of m < p: the loop waits for each micro-batch to come round
+                assert y == pytest.approx((v * (p - m) + m - 1) / (v * p + m - 1)), (p, v, m)
+                assert y > bubble_theory(p, m, v)
         k += 2
         if (p, v) == (2, 1):
             crosses = drawn[k]

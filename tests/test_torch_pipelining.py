@@ -101,3 +101,5 @@ def test_pytorch_pipeline_equals_pipe_step(tmp_path):
             torch.testing.assert_close(run.grads[name], param.grad, rtol=1e-5, atol=1e-7)
         ours = gpipe(2, 2) if schedule == "gpipe" else one_f_one_b(2, 2)
         assert run.executed().actions == ours.actions
+        # the step's wall time spans every action the ranks ran in it
+        assert run.step_seconds >= run.timeline.makespan > 0

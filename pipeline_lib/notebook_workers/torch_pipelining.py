@@ -20,8 +20,8 @@ This file is also the torchrun worker that runs them and writes what happened::
 ``WORKDIR/setup.pt`` (`write_pipelining_setup`) holds the model's config and weights and
 one batch;
 every run starts from those weights and leaves, per rank, the micro-batch losses, the
-gradients of the rank's parameters and the timeline of its forwards and backwards
-(`read_run` puts the ranks back together). `pytorch_schedule` turns the action order PyTorch
+gradients of the rank's parameters, the timeline of its forwards and backwards and the
+wall-clock start and end of its last step (`read_run` puts the ranks back together). `pytorch_schedule` turns the action order PyTorch
 describes for a schedule into our `Schedule`, to simulate and draw it.
 """
 from __future__ import annotations
@@ -170,6 +170,7 @@ class RunResult:
     microbatch_losses: list[float]
     grads: dict[str, Tensor]
     timeline: Timeline
+    step_seconds: float    # the last step's wall time: first rank's start to last rank's end
 
     @property
     def loss(self) -> float:
@@ -197,7 +198,8 @@ def read_run(workdir: str | Path, schedule: str, split: str) -> RunResult:
     grads = {name: g for part in parts for name, g in part["grads"].items()}
     events = [e for part in parts for e in Timeline.from_dict(part["timeline"]).events]
     title = f"torch.distributed.pipelining {SCHEDULES[schedule].__name__} ({split} split)"
-    return RunResult(losses, grads, Timeline(len(parts), events, "s", title))
+    step = (max(part["step"][1] for part in parts) - min(part["step"][0] for part in parts))
+    return RunResult(losses, grads, Timeline(len(parts), events, "s", title), step)
 
 
 # -- the torchrun worker ------------------------------------------------------------------
@@ -227,13 +229,16 @@ def _run(setup: dict[str, Any], schedule: str, split: str, microbatches: int,
     for _ in range(steps):
         stage.submod.zero_grad(set_to_none=True)
         events.clear()
+        dist.barrier()             # the ranks start each step together: its wall time
+        start = time.time()        # (wall clock, comparable between the processes)
         if stage.is_first:
             runner.step(inputs)
         elif stage.is_last:
             runner.step(target=targets, losses=losses)
         else:
             runner.step()
-    return {"losses": [loss.item() for loss in losses],
+        step = (start, time.time())
+    return {"losses": [loss.item() for loss in losses], "step": step,
             "grads": {name: p.grad.cpu() for name, p in stage.submod.named_parameters()
                       if p.grad is not None},
             "timeline": Timeline(world, events).to_dict()}

@@ -74,7 +74,8 @@ def write_figures(directory: str | Path) -> list[Path]:
     written.append(_save(fig, out / "schedules.png"))
 
     fig = Figure(figsize=(7, 4))
-    bubble_vs_microbatches([2, 4, 8], [1, 2, 4, 8, 16, 32], [1, 2], ax=fig.subplots())
+    bubble_vs_microbatches([2, 4, 8], [1, 2, 3, 4, 6, 8, 12, 16, 24, 32], [1, 2],
+                           ax=fig.subplots())
     written.append(_save(fig, out / "bubble_vs_microbatches.png"))
     return written
 

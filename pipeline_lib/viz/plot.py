@@ -181,9 +181,11 @@ def bubble_vs_microbatches(ranks: Sequence[int], microbatches: Sequence[int],
     """Bubble fraction against micro-batches m: theory as lines, the simulator as dots,
     and measured runs (``measured[(p, v)][m]``) as crosses, one colour per p.
 
-    v = 1 is 1F1B (GPipe's bubble is the same); v > 1 is interleaved 1F1B, drawn dashed
-    and only at the m it accepts (multiples of p). Forward costs 1, backward 2, split
-    evenly over a rank's v chunks, so every curve describes the same model.
+    v = 1 is 1F1B (GPipe's bubble is the same); v > 1 is interleaved 1F1B, dashed, simulated
+    at every m; its theory line starts at m = p: below, one round of m < p micro-batches
+    cannot keep the loop busy, and the simulated dots sit above the formula. Forward costs
+    1, backward 2, split evenly over a rank's v chunks, so every curve describes the same
+    model.
     """
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 4))
@@ -192,11 +194,11 @@ def bubble_vs_microbatches(ranks: Sequence[int], microbatches: Sequence[int],
     styles = ["-", "--", ":", "-."]
     for k, p in enumerate(ranks):
         for j, v in enumerate(virtual_stages):
-            ms = [m for m in microbatches if v == 1 or m % p == 0]
-            if not ms:
-                continue
+            ms = sorted(microbatches)
             colour, style = colours[k % len(colours)], styles[j % len(styles)]
-            dense = [min(ms) + (max(ms) - min(ms)) * t / 200 for t in range(201)]
+            low = min(ms) if v == 1 else max(min(ms), p)      # the formula holds from there
+            dense = ([low + (max(ms) - low) * t / 200 for t in range(201)]
+                     if low <= max(ms) else [])
             ax.plot(dense, [bubble_theory(p, m, v) for m in dense], style, color=colour,
                     label=f"p={p}" + (f", v={v}" if v > 1 else ""))
             name = "1f1b" if v == 1 else "interleaved_1f1b"
