@@ -8,8 +8,8 @@ micro-batch re-reads every weight, and small matrices run slower), so
 
     net = micro-batching × speedup,        speedup = ideal × efficiency,
 
-and, with the step's `Timeline`, the efficiency's shortfall splits into three measured
-losses whose product is exactly 1 / efficiency: the bubble beyond the schedule's fill and
+and, with the step's compute time and span (from its `Timeline`: ``sum(busy())`` and
+``makespan``), the efficiency's shortfall splits into three measured losses whose product is exactly 1 / efficiency: the bubble beyond the schedule's fill and
 drain, the *stretch* (actions running slower side by side than alone: shared cores, caches,
 memory bandwidth), and the executor's *overhead* outside the actions. Notebooks 01, 03 and
 06 print these so that a slow pipeline shows its measured reason, not a guess.
@@ -17,8 +17,6 @@ memory bandwidth), and the executor's *overhead* outside the actions. Notebooks 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from pipeline_lib.timeline import Timeline
 
 
 def ideal_speedup(devices: int, microbatches: int) -> float:
@@ -28,32 +26,34 @@ def ideal_speedup(devices: int, microbatches: int) -> float:
 
 @dataclass(frozen=True)
 class Speed:
-    """Seconds of one step each way, on ``devices`` devices (stage threads or ranks);
-    ``ideal`` defaults to equal stages' (pass the simulator's for unequal ones)."""
+    """Seconds of one step each way (or summed over as many steps each way), on ``devices``
+    devices (stage threads or ranks); ``ideal`` defaults to equal stages' (pass the
+    simulator's for unequal ones)."""
 
     devices: int
     microbatches: int
     whole: float          # the batch in one piece, one device
-    sequential: float     # the same micro-batches one after another, one device
+    accumulated: float    # the same micro-batches one after another, one device
     step: float           # the pipelined step, wall time
-    timeline: Timeline | None = None    # the pipelined step's actions, for `losses`
+    busy: float | None = None     # the pipelined step's compute, summed over devices
+    span: float | None = None     # the pipelined step's first action's start to last's end
     ideal: float | None = None
 
     def __post_init__(self) -> None:
-        if min(self.whole, self.sequential, self.step) <= 0:
+        if min(self.whole, self.accumulated, self.step) <= 0:
             raise ValueError(f"times must be positive, got whole={self.whole}, "
-                             f"sequential={self.sequential}, step={self.step}")
+                             f"accumulated={self.accumulated}, step={self.step}")
         if self.ideal is None:
             object.__setattr__(self, "ideal", ideal_speedup(self.devices, self.microbatches))
 
     @property
     def micro_batching(self) -> float:
-        """whole / sequential: below 1, splitting the batch cost time before any overlap."""
-        return self.whole / self.sequential
+        """whole / accumulated: below 1, splitting the batch cost time before any overlap."""
+        return self.whole / self.accumulated
 
     @property
     def speedup(self) -> float:
-        return self.sequential / self.step
+        return self.accumulated / self.step
 
     @property
     def efficiency(self) -> float:
@@ -65,13 +65,13 @@ class Speed:
 
     def losses(self) -> dict[str, float]:
         """The factors (1 = nothing lost) between the ideal and the measured speedup."""
-        if self.timeline is None:
-            raise ValueError("losses() needs the pipelined step's timeline (timeline=)")
-        busy, span = sum(self.timeline.busy()), self.timeline.makespan
-        utilisation = busy / (self.devices * span)
+        if self.busy is None or self.span is None:
+            raise ValueError("losses() needs the pipelined step's busy= and span= (from its "
+                             "timeline: sum(timeline.busy()), timeline.makespan)")
+        utilisation = self.busy / (self.devices * self.span)
         return {"the bubble beyond fill and drain": self.ideal / self.devices / utilisation,
-                "the stretch (actions slower than alone)": busy / self.sequential,
-                "the overhead outside the actions": self.step / span}
+                "the stretch (actions slower than alone)": self.busy / self.accumulated,
+                "the overhead outside the actions": self.step / self.span}
 
     def verdict(self) -> str:
         """One sentence on what the numbers say."""
@@ -83,7 +83,7 @@ class Speed:
                 f"{self.micro_batching:.2f} before any overlap, and the pipeline ran "
                 f"{self.speedup:.2f}x as fast as those micro-batches one after another, "
                 f"{self.efficiency:.0%} of its ideal {self.ideal:.2f}x")
-        if self.timeline is not None and self.efficiency < 0.95:
+        if self.busy is not None and self.span is not None and self.efficiency < 0.95:
             losses = self.losses()
             worst = max(losses, key=losses.get)
             text += f"; the largest loss was {worst}, a factor of {losses[worst]:.2f}"

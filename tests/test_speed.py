@@ -15,7 +15,7 @@ def test_ideal_is_fill_and_drain_only():
 
 
 def test_net_is_micro_batching_times_ideal_times_efficiency():
-    s = Speed(devices=2, microbatches=4, whole=1.0, sequential=1.25, step=0.9)
+    s = Speed(devices=2, microbatches=4, whole=1.0, accumulated=1.25, step=0.9)
     assert s.micro_batching == pytest.approx(0.8)
     assert s.speedup == pytest.approx(1.25 / 0.9)
     assert s.net == pytest.approx(s.micro_batching * s.ideal * s.efficiency)
@@ -27,9 +27,10 @@ def test_losses_multiply_to_one_over_efficiency(stretch, overhead):
     whose wall time exceeds its actions' span by ``overhead``."""
     p, m, f = 2, 4, 0.01
     timeline = simulate(gpipe(p, m), forward=f * stretch, backward=2 * f * stretch)
-    sequential = m * 3 * f * p                          # every action, one after another
-    s = Speed(p, m, whole=sequential, sequential=sequential,
-              step=timeline.makespan * overhead, timeline=timeline)
+    accumulated = m * 3 * f * p                         # every action, one after another
+    s = Speed(p, m, whole=accumulated, accumulated=accumulated,
+              step=timeline.makespan * overhead, busy=sum(timeline.busy()),
+              span=timeline.makespan)
     losses = s.losses()
     assert losses["the bubble beyond fill and drain"] == pytest.approx(1)   # GPipe's own
     assert losses["the stretch (actions slower than alone)"] == pytest.approx(stretch)
@@ -42,12 +43,12 @@ def test_losses_multiply_to_one_over_efficiency(stretch, overhead):
 
 
 def test_an_unequal_split_passes_its_own_ideal():
-    s = Speed(2, 4, whole=1.0, sequential=1.0, step=1.0, ideal=1.25)
+    s = Speed(2, 4, whole=1.0, accumulated=1.0, step=1.0, ideal=1.25)
     assert s.efficiency == pytest.approx(0.8)
 
 
 def test_bad_times_are_refused_and_losses_need_a_timeline():
     with pytest.raises(ValueError, match="times must be positive"):
-        Speed(2, 4, whole=0.0, sequential=1.0, step=1.0)
-    with pytest.raises(ValueError, match="needs the pipelined step's timeline"):
-        Speed(2, 4, whole=1.0, sequential=1.0, step=1.0).losses()
+        Speed(2, 4, whole=0.0, accumulated=1.0, step=1.0)
+    with pytest.raises(ValueError, match="needs the pipelined step's busy= and span="):
+        Speed(2, 4, whole=1.0, accumulated=1.0, step=1.0).losses()
