@@ -8,7 +8,11 @@ backward. What W really needs is, for every weight, the gradient that reached th
 on its path that I also ran (an ``AddmmBackward`` whose other branch leads to the stage's
 input, say). I computes exactly those gradients on its way to the input; hooks on those
 *frontier* nodes keep them, and W starts from the frontier with them. W then runs only the
-weight branches (the ``x.T @ grad`` products), which is what the paper's W is.
+weight branches (the ``x.T @ grad`` products), which is what the paper's W is. The price
+is memory: from I to W a micro-batch keeps, besides its graph, the gradient at every
+branch point (about one activation per layer with weights), which is part of what
+deferring W costs in the zero-bubble schedules; PyTorch's ``stage_backward_input`` keeps
+the same.
 
 Where one weight sits below several frontier nodes (a weight used twice, or below a node
 that also leads to another frontier node), W seeds all of them in one call; a pre-hook then
