@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+STRETCH = "the stretch (actions slower than alone)"
+
 
 def ideal_speedup(devices: int, microbatches: int) -> float:
     """p·m/(m+p−1): p equal stages, free messages, only the fill and drain lost."""
@@ -70,7 +72,7 @@ class Speed:
                              "timeline: sum(timeline.busy()), timeline.makespan)")
         utilisation = self.busy / (self.devices * self.span)
         return {"the bubble beyond fill and drain": self.ideal / self.devices / utilisation,
-                "the stretch (actions slower than alone)": self.busy / self.accumulated,
+                STRETCH: self.busy / self.accumulated,
                 "the overhead outside the actions": self.step / self.span}
 
     def verdict(self) -> str:
@@ -83,8 +85,14 @@ class Speed:
                 f"{self.micro_batching:.2f} before any overlap, and the pipeline ran "
                 f"{self.speedup:.2f}x as fast as those micro-batches one after another, "
                 f"{self.efficiency:.0%} of its ideal {self.ideal:.2f}x")
-        if self.busy is not None and self.span is not None and self.efficiency < 0.95:
-            losses = self.losses()
+        if self.busy is None or self.span is None:
+            return text + "."
+        losses = self.losses()
+        if self.efficiency < 0.95:
             worst = max(losses, key=losses.get)
             text += f"; the largest loss was {worst}, a factor of {losses[worst]:.2f}"
+        elif self.efficiency > 1.05:
+            text += (f"; above the ideal because its actions took {losses[STRETCH]:.2f}x "
+                     f"the one-device time of the same work (a stretch below 1: they timed "
+                     f"less work, or the one-device run was the slower one)")
         return text + "."

@@ -52,3 +52,9 @@ def test_bad_times_are_refused_and_losses_need_a_timeline():
         Speed(2, 4, whole=0.0, accumulated=1.0, step=1.0)
     with pytest.raises(ValueError, match="needs the pipelined step's busy= and span="):
         Speed(2, 4, whole=1.0, accumulated=1.0, step=1.0).losses()
+
+
+def test_a_pipeline_above_its_ideal_is_explained_by_its_stretch():
+    s = Speed(2, 4, whole=1.0, accumulated=1.0, step=0.5, busy=0.6, span=0.5)
+    assert s.efficiency > 1.05
+    assert "above the ideal" in s.verdict() and "0.60x" in s.verdict()
