@@ -23,8 +23,9 @@ The executors, one package each, run the same `Schedule`:
 
 `data_parallel` is ``nn.DataParallel`` from its four primitives, on any devices.
 
-Around them: `viz` (Gantt charts and the README's figures), `exercises` (the notebooks'
-checks), `lm` (the
+Around them: `viz` (Gantt charts and the README's figures), `speed` (a measured step
+taken apart: is the pipeline faster, and why not), `exercises` (the notebooks' checks),
+`lm` (the
 Transformer language model, WikiText-2 and the training loops the notebooks use) and
 `notebook_workers` (code that only one notebook's ``torchrun`` workers run).
 """
