@@ -25,9 +25,8 @@ The executors, one package each, run the same `Schedule`:
 
 Around them: `viz` (Gantt charts and the README's figures), `speed` (a measured step
 taken apart: is the pipeline faster, and why not), `exercises` (the notebooks' checks),
-`lm` (the
-Transformer language model, WikiText-2 and the training loops the notebooks use) and
-`notebook_workers` (code that only one notebook's ``torchrun`` workers run).
+`lm` (the Transformer language model, WikiText-2 and the training loops the notebooks
+use) and `notebook_workers` (code that only one notebook's ``torchrun`` workers run).
 """
 from pipeline_lib.batchnorm import DeferredBatchNorm
 from pipeline_lib.checkpoint import is_checkpointing, is_recomputing
