@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
         nbformat.write(student_version(notebook), args.out / notebook.name)
         print(f"wrote {args.out / notebook.name}")
-    print(f"Open them with: .venv/bin/jupyter lab {args.out}")
+    print(f"Open them with: make lab FOLDER={args.out}")
     return 0
 
 
