@@ -42,6 +42,14 @@ def test_lab_opens_a_browser_only_where_one_can_open(monkeypatch, platform, disp
     assert ("--no-browser" not in lab.lab_command()) == opens_browser
 
 
+def test_lab_opens_notebooks_or_the_student_versions(tmp_path, capsys):
+    assert lab.lab_command()[3] == str(ROOT / "notebooks")
+    assert lab.lab_command(folder=tmp_path)[3] == str(tmp_path)
+    with pytest.raises(SystemExit):
+        lab.main(["--folder", str(tmp_path / "student")])      # make student not run yet
+    assert "make student writes student/" in capsys.readouterr().err
+
+
 def test_lab_port_is_passed_only_when_asked():
     assert "--port=9000" in lab.lab_command(9000)
     assert not any(arg.startswith("--port") for arg in lab.lab_command())   # JUPYTER_PORT, config

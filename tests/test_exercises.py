@@ -18,7 +18,7 @@ from conftest import notebook_needs_wikitext
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-from student import student_version  # noqa: E402
+from student import main as make_student, student_version  # noqa: E402
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 NAME = re.compile(r"""with exercise\((["'])(.+?)\1\)""")
@@ -104,3 +104,12 @@ def test_student_version_fails_every_check_with_its_message(notebook):
             assert not errors(cell), \
                 f"{notebook.name}: cell {i} fails in the student version (it must not " \
                 f"depend on an exercise's solution): {errors(cell)[0]['evalue']}\n{cell.source}"
+
+
+def test_make_student_writes_every_notebook_without_solutions_or_outputs(tmp_path):
+    make_student([str(tmp_path)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [nb.name for nb in NOTEBOOKS]
+    for path in tmp_path.iterdir():
+        nb = nbformat.read(path, as_version=4)
+        assert not any(c.get("outputs") for c in nb.cells), path.name
+        assert "### BEGIN SOLUTION" not in "".join(c.source for c in nb.cells), path.name
