@@ -32,11 +32,11 @@ CASES = [(mesh, name) for mesh in ("2x1", "4x1", "2x2") for name in worker.SCHED
          if worker.runs_on(mesh, name)]
 
 
-def torchrun(nproc: int, *args: str, machines: int = 1,
-             flags: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, float]:
-    """Run the worker, ``nproc`` processes per machine; past the deadline, kill torchrun
-    and its workers. ``machines`` > 1 starts that many torchrun agents, as on separate
-    machines: each stops only its own workers when one fails."""
+def torchrun(nproc: int, *args: str, machines: int = 1, flags: tuple[str, ...] = (),
+             worker: str = "dist_worker.py") -> tuple[subprocess.CompletedProcess, float]:
+    """Run the ``worker`` script, ``nproc`` processes per machine; past the deadline, kill
+    torchrun and its workers. ``machines`` > 1 starts that many torchrun agents, as on
+    separate machines: each stops only its own workers when one fails."""
     if machines == 1:
         where = ["--standalone"]
     else:
@@ -45,7 +45,7 @@ def torchrun(nproc: int, *args: str, machines: int = 1,
             port = free.getsockname()[1]
         where = [f"--nnodes={machines}", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}"]
     command = [sys.executable, "-m", "torch.distributed.run", *where, *flags,
-               "--nproc_per_node", str(nproc), str(REPO / "tests" / "dist_worker.py"), *args]
+               "--nproc_per_node", str(nproc), str(REPO / "tests" / worker), *args]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
     processes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -87,7 +87,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -99,7 +99,7 @@ from pipeline_lib.checkpoint import check_mode
 from pipeline_lib.devices import transfer
 from pipeline_lib.distributed.mesh import Mesh, check_same_everywhere
 from pipeline_lib.loss import StepGradients, check_count, check_grad_mode, total_count
-from pipeline_lib.microbatch import check_rows, loss_weights, split
+from pipeline_lib.microbatch import NoChunk, check_rows, loss_weights, split
 from pipeline_lib.partition import group_layers
 from pipeline_lib.distributed.p2p import (Message, PostedEarly, Transport, batch_key,
                                           describe_tensors)
@@ -136,6 +136,9 @@ class DistributedPipe:
         check_same_everywhere("pipelines", dict(
             schedule=self.schedule.name, grid=self.schedule.grid(), pp=mesh.pp, dp=mesh.dp,
             balance=list(balance), checkpoint=checkpoint, post_early=post_early))
+        check_no_weight_shared_across_ranks(module, stages, self.schedule)
+        self.names = {id(p): name for name, p in module.named_parameters()}
+        self.steps = 0   # calls of `step` so far: the ranks must agree (`_agree`)
         self.program = self.schedule.actions[mesh.pipe_rank]
         self.modules = {s: self._replicated(stages[s].to(mesh.device))
                         for s in range(len(stages)) if self.schedule.rank_of(s) == mesh.pipe_rank}
@@ -157,9 +160,14 @@ class DistributedPipe:
                                        forward_sync_buffers=False)
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """This rank's parameters (for its optimizer)."""
+        """This rank's parameters (for its optimizer), each once: a weight tied between
+        two stages of this rank (a V schedule's first and last) is one parameter."""
+        seen: set[int] = set()
         for module in self.modules.values():
-            yield from module.parameters()
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
 
     # -- one step ------------------------------------------------------------------------
 
@@ -169,12 +177,14 @@ class DistributedPipe:
         targets). Gradients accumulate as in `Pipe.step`; returns the global batch's loss
         on the ranks holding the last stage, None on the others. Inputs, targets and the
         activations between stages may be trees (see `microbatch.split`), and ``loss_fn``
-        may return a mean or a ``(loss_sum, count)`` pair (see `pipeline_lib.loss`)."""
+        may return a mean or a ``(loss_sum, count)`` pair (see `pipeline_lib.loss`).
+
+        If the step fails on any rank, every rank raises (the others once that rank's
+        process has ended, as `job.process_group` ends it) and ``.grad`` is left as it was."""
         check_grad_mode("DistributedPipe.step")
         schedule, mesh = self.schedule, self.mesh
+        step_seed, key = self._agree(inputs, target)
         micro_in, micro_target, weights = self._split(inputs, target)
-        step_seed, key = self._step_seed_and_key(batch_key(*tree.leaves((inputs, target))))
-        self.transport.start_step(key)
         last = schedule.stages - 1
         runners = {s: StageRunner(s, module, mesh.device, self.checkpoint,
                                   schedule.microbatches, step_seed,
@@ -183,6 +193,22 @@ class DistributedPipe:
                    for s, module in self.modules.items()}
         self.events = []
         grads = StepGradients(self.parameters())
+        try:
+            self.transport.start_step(key)
+            self._run_program(runners, micro_in, micro_target)
+            self.transport.finish_step()
+            loss, scale = self._loss(runners.get(last))
+        except BaseException:
+            grads.discard()
+            raise
+        grads.commit(scale)
+        return loss
+
+    def _run_program(self, runners: dict[int, StageRunner], micro_in: list[Any],
+                     micro_target: list[Any]) -> None:
+        """This rank's actions, in order, with DDP's gradient sync off (see the module
+        docstring)."""
+        mesh = self.mesh
         with contextlib.ExitStack() as no_sync:
             for module in self.modules.values():
                 if isinstance(module, DistributedDataParallel):
@@ -194,22 +220,18 @@ class DistributedPipe:
                     self._compute(action, runners[action.stage], received, micro_target)
                 except Exception as exc:
                     exc.add_note(f"on rank {mesh.rank} (replica {mesh.replica}, pipe rank "
-                                 f"{mesh.pipe_rank}) running {action} of {schedule.name}")
+                                 f"{mesh.pipe_rank}) running {action} of {self.schedule.name}")
                     raise
                 if mesh.device.type == "cuda":   # time the work, not its launch
                     torch.cuda.current_stream().synchronize()
                 self.events.append(Event(mesh.rank, action, start, mesh.clock()))
-        self.transport.finish_step()
-        loss, scale = self._loss(runners.get(last))
-        grads.commit(scale)
-        return loss
 
     def _split(self, inputs: Any, target: Any) -> tuple[list[Any], list[Any], list[float]]:
         """This replica's micro-batches and their loss weights (see the module docstring)."""
         dp, m, replica = self.mesh.dp, self.schedule.microbatches, self.mesh.replica
         check_rows(inputs, target)
         try:
-            replica_inputs, replica_targets = split(inputs, dp), split(target, dp)
+            replica_inputs, replica_targets = _among(inputs, dp), _among(target, dp)
         except ValueError as exc:
             exc.add_note(f"while splitting the global batch among {dp} data-parallel replicas")
             raise
@@ -218,17 +240,44 @@ class DistributedPipe:
         mine = [w * dp for w in weights[replica * m:(replica + 1) * m]]
         return split(replica_inputs[replica], m), targets[replica], mine
 
-    def _step_seed_and_key(self, key: int) -> tuple[int, int]:
-        """Rank 0's draw, so dropout agrees across stages even if the ranks' random
-        generators have drifted apart. Replica 0 uses it as is, like `Pipe.step`; the
-        others derive their own, for dropout masks independent of replica 0's. And rank
-        0's `batch_key`, so that all ranks agree on how this step's messages travel."""
-        sent = torch.tensor([new_step_seed(), key], dtype=torch.int64, device=self.mesh.device)
-        dist.broadcast(sent, src=0)
-        step_seed, key = sent.tolist()
-        if self.mesh.replica > 0:
-            step_seed = seed_for(step_seed, -1, self.mesh.replica)
+    def _agree(self, inputs: Any, target: Any) -> tuple[int, int]:
+        """The step's seed and `p2p.batch_key`, the same on every rank, after checking
+        that every rank was given a batch of the same shapes and is at the same step.
+
+        One all-reduce (MAX) does it all: rank 0's seed (the others send -1), so dropout
+        agrees across stages even if the ranks' random generators have drifted apart;
+        and each rank's key and step number, with their negatives, whose maxima give the
+        smallest and the largest value over the ranks. Replica 0 uses the seed as it is,
+        like `Pipe.step`; the others derive their own, for dropout masks independent of
+        replica 0's."""
+        mesh = self.mesh
+        self.steps += 1
+        key = batch_key(_shapes(inputs), _shapes(target))
+        seed = new_step_seed() if mesh.rank == 0 else -1
+        sent = torch.tensor([seed, key, -key, self.steps, -self.steps], dtype=torch.int64,
+                            device=mesh.device)
+        dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+        step_seed, most_key, least_key, most_steps, least_steps = sent.tolist()
+        if most_key != -least_key or most_steps != -least_steps:
+            self._disagreement(inputs, target)
+        if mesh.replica > 0:
+            step_seed = seed_for(step_seed, -1, mesh.replica)
         return step_seed, key
+
+    def _disagreement(self, inputs: Any, target: Any) -> NoReturn:
+        """Raise on every rank, naming the ranks whose batch or step number differ from
+        rank 0's (every rank calls this: all saw the same all-reduce)."""
+        mine = (self.steps, describe_tensors(_shapes(inputs)), describe_tensors(_shapes(target)))
+        seen: list[tuple[int, str, str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, mine)
+        said = [f"rank {r} is at step {steps} with inputs {x} and target {y}"
+                for r, (steps, x, y) in enumerate(seen)
+                if r == 0 or (steps, x, y) != seen[0]]
+        raise ValueError(f"the ranks were given different batches or are at different steps: "
+                         f"{'; '.join(said)}. Every rank must call step the same number of "
+                         f"times with the same global batch (each replica takes its slice; "
+                         f"a DistributedSampler that gives each rank its own rows is not "
+                         f"what DistributedPipe needs)")
 
     def _receive(self, action: Action, micro_in: list[Any]) -> Any:
         """What the action consumes: its input (F) or output gradient (B, I)."""
@@ -261,18 +310,46 @@ class DistributedPipe:
                 self.transport.send(rank_of(s + 1), Message("activation", s + 1, i),
                                     _packed(y, self.mesh.device))
             return
-        if self.sync_at.get(s) == action:   # this backward all-reduces the stage's gradients
-            self.modules[s].reducer.prepare_for_backward([])
-        if kind == "W":
-            runner.backward_weight(i)
-            return
-        backward = runner.backward if kind == "B" else runner.backward_input
-        grad_in = backward(i, received)
+        armed = self.sync_at.get(s) == action   # this backward all-reduces the stage's grads
+        with self._all_reducing(s) if armed else contextlib.nullcontext():
+            if kind == "W":
+                runner.backward_weight(i)
+                return
+            backward = runner.backward if kind == "B" else runner.backward_input
+            grad_in = backward(i, received)
         if s > 0:
             # as the tuple of its leaves: stage s - 1 made the activation, so it knows the
             # structure (see `StageRunner`)
             self.transport.send(rank_of(s - 1), Message("gradient", s - 1, i),
                                 tuple(tree.leaves(grad_in)))
+
+    @contextlib.contextmanager
+    def _all_reducing(self, stage: int) -> Iterator[None]:
+        """Arm DDP's reducer of ``stage`` for the backward run in the block, and check that
+        it reached every parameter: DDP all-reduces a bucket once each of its parameters'
+        gradient is ready, so a parameter that this backward does not reach (one that
+        the forward never uses, or that the last micro-batch does not use) would leave
+        its bucket local to each replica, and the replicas would drift apart."""
+        module = self.modules[stage]
+        params = [p for p in module.parameters() if p.requires_grad]
+        reached: set[int] = set()
+        hooks = [p.register_post_accumulate_grad_hook(lambda p: reached.add(id(p)))
+                 for p in params]
+        try:
+            module.reducer.prepare_for_backward([])
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+        missed = [self.names[id(p)] for p in params if id(p) not in reached]
+        if missed:
+            raise RuntimeError(
+                f"parameters {missed} of stage {stage} got no gradient in the stage's last "
+                f"backward of the step, during which DistributedDataParallel all-reduces "
+                f"its gradients over the {self.mesh.dp} replicas: their gradients (and "
+                f"those sharing a DDP bucket with them) would stay each replica's own. "
+                f"Use these parameters in every micro-batch's forward, remove them, or "
+                f"freeze them (p.requires_grad_(False)) before building DistributedPipe")
 
     def _loss(self, runner: StageRunner | None) -> tuple[Tensor | None, float]:
         """The batch's loss on the ranks holding the last stage (None on the others), and
@@ -322,6 +399,62 @@ class DistributedPipe:
         if self.mesh.dp > 1:
             title += f" × {self.mesh.dp} replicas"
         return Timeline(len(gathered), events, unit="s", title=title).shifted()
+
+
+def check_no_weight_shared_across_ranks(module: nn.Module, stages: Sequence[nn.Module],
+                                        schedule: Schedule) -> None:
+    """Refuse a trainable weight used by stages on different ranks (tied input and output
+    embeddings, the common LM case): each process would hold its own copy, each copy
+    would get only its own stage's share of the gradient, and the copies would drift
+    apart. Stages on one rank share the one parameter, which is exact. Parameters that
+    share storage count as one weight."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    weights: dict[tuple[str, int], dict[int, nn.Parameter]] = {}   # storage -> users
+    stages_of: dict[tuple[str, int], set[int]] = {}
+    for s, stage in enumerate(stages):
+        for p in stage.parameters():
+            address = p.untyped_storage().data_ptr()
+            if address == 0:   # no storage (empty, or on the meta device): nothing shared
+                continue
+            where = (str(p.device), address)
+            weights.setdefault(where, {})[id(p)] = p
+            stages_of.setdefault(where, set()).add(s)
+    problems = []
+    for where, users in weights.items():
+        ranks = {schedule.rank_of(s) for s in stages_of[where]}
+        if len(ranks) > 1 and any(p.requires_grad for p in users.values()):
+            named = [n for i in users for n in names[i]]
+            placed = ", ".join(f"stage {s} on pipe rank {schedule.rank_of(s)}"
+                               for s in sorted(stages_of[where]))
+            problems.append(f"{' = '.join(named)} is used by {placed}")
+    if problems:
+        raise ValueError(
+            f"a weight is shared by stages on different ranks of {schedule.name}: "
+            f"{'; '.join(problems)}. Each process would hold its own copy, get only its "
+            f"own stages' share of the gradient, and the copies would drift apart. Use "
+            f"the threaded Pipe (one process holds the one weight), a schedule or balance "
+            f"that puts these stages on one rank (a V schedule such as zb_v holds the first "
+            f"and the last stage on rank 0), untie the weights, or keep the copies equal "
+            f"yourself as Megatron-LM does for its embeddings: all-reduce their gradients "
+            f"over the ranks holding a copy after each step")
+
+
+def _shapes(batch: Any) -> tuple[Any, ...]:
+    """A batch's leaves, with `NoChunk` tensors unwrapped: what `describe_tensors` and
+    `batch_key` read (the shape of a NoChunk mask matters as much as the others')."""
+    return tuple(leaf.tensor if isinstance(leaf, NoChunk) else leaf
+                 for leaf in tree.leaves(batch))
+
+
+def _among(batch: Any, replicas: int) -> list[Any]:
+    """`microbatch.split` among replicas, keeping `NoChunk` tensors wrapped, so that the
+    second split (into micro-batches) also hands them whole to every micro-batch."""
+    kept = [isinstance(leaf, NoChunk) for leaf in tree.leaves(batch)]
+    return [tree.unflatten([NoChunk(leaf) if keep else leaf
+                            for leaf, keep in zip(tree.leaves(part), kept)], batch)
+            for part in split(batch, replicas)]
 
 
 class _Slot:
