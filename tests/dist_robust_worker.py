@@ -17,7 +17,7 @@ parameter names, parameters after an SGD step) or the message of the error it ra
 The other scenarios fail and end the job; each rank saves, before it raises, its error and
 whether ``.grad`` is as it was before the step: ``unused`` (4 processes: a parameter the
 forward never uses, with replicas) and ``raise`` (2 processes: rank 1 raises in the middle
-of a step, after both ranks have accumulated gradients).
+of the second step, after both ranks have accumulated gradients).
 """
 from __future__ import annotations
 
@@ -162,10 +162,12 @@ def run_failing(scenario: str, out: Path) -> None:
     """Save this rank's error and whether ``.grad`` is as before the step, then raise."""
     if scenario == "unused":
         mesh, model = init_mesh(2, 2, timeout=60), spare_lm(frozen=False)
-    else:   # rank 1 raises at its third forward: after the backwards of micro-batches 0, 1
+    else:   # rank 1 raises at its third forward of the second step, whose messages
+        # travel into receives posted early: after the backwards of micro-batches 0 and 1
         mesh = init_mesh(2, timeout=60)
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), Hiccup(3, boom), nn.Linear(6, 3))
+        model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), Hiccup(MICROBATCHES + 3, boom),
+                              nn.Linear(6, 3))
     pipe = DistributedPipe(model, mesh, [2, 2], MICROBATCHES, "1f1b")
     optimizer = torch.optim.SGD(pipe.parameters(), lr=LR)
     inputs, target = batch() if scenario == "unused" else (torch.randn(ROWS, 6),
@@ -173,8 +175,8 @@ def run_failing(scenario: str, out: Path) -> None:
     loss_fn: Callable[[Any, Any], Any] = token_loss if scenario == "unused" else F.mse_loss
     for p in pipe.parameters():
         p.grad = torch.full_like(p, EARLIER)
-    before = {id(p): p.grad.clone() for p in pipe.parameters()}
     for step in range(2):
+        before = {id(p): p.grad.clone() for p in pipe.parameters()}
         try:
             pipe.step(inputs, target, loss_fn)
         except Exception as exc:

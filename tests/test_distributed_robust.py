@@ -141,10 +141,11 @@ def test_unused_parameter_with_replicas_is_named_before_any_optimizer_step(tmp_p
 
 
 def test_failed_step_leaves_grad_as_it_was_on_every_rank(tmp_path):
-    """Rank 1 raises in its third forward, after both ranks added gradients to .grad:
-    both raise (rank 0 once rank 1 is gone), and both have .grad as before the step."""
+    """Rank 1 raises in its third forward of the second step (whose messages travel into
+    receives posted early), after both ranks added gradients to .grad: both raise (rank 0
+    once rank 1 is gone), and both have .grad as before that step."""
     output, ranks = failed(tmp_path, "raise", 2)
     assert "rank 1 failed: RuntimeError: boom: injected failure" in output
     assert ranks[1]["error"] == "RuntimeError: boom: injected failure"
     assert ranks[0]["error"].startswith("RankLost: rank 1 lost")
-    assert all(r["step"] == 0 and r["grads_as_before"] for r in ranks)
+    assert all(r["step"] == 1 and r["grads_as_before"] for r in ranks)

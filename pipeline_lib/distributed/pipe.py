@@ -77,6 +77,28 @@ the replicas' gradients is then exactly the gradient of the global batch's mean 
 end of the step every rank multiplies its gradients by dp / (the count of all replicas'
 micro-batches together), which one all-reduce gives every rank (`pipeline_lib.loss`).
 
+That armed backward must reach every parameter of the stage: DDP all-reduces a bucket
+once all of its parameters' gradients are ready, so a parameter the forward never uses
+would leave its bucket unreduced, each replica keeping its own gradients. The step checks
+it and names such parameters at once, before any optimizer step (freeze or remove them).
+
+Tied weights
+------------
+Stages on one rank share one parameter, as a V schedule's first and last stage share tied
+input and output embeddings; `DistributedPipe.parameters` yields it once. Under DDP the
+reducers of both stages average it over the replicas, one after the other: the first
+makes the replicas agree on what had accumulated so far, and averaging values they agree
+on changes nothing, so the second leaves the average of everything: exact. Stages on
+different ranks would each hold a copy and get only their own share of its gradient:
+that is refused when the pipe is built (`check_no_weight_shared_across_ranks`).
+
+The same batch on every rank
+----------------------------
+Each step's first collective, the all-reduce that shares the step's seed, also compares
+every rank's batch shapes and step number: one rank given a batch of other shapes, or a
+step behind, makes every rank raise, naming it. (The values are not compared: that would
+cost a pass over the batch.)
+
 Timelines
 ---------
 Every rank records when each of its actions ran, on a clock started at a barrier common to
