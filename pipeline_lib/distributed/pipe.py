@@ -458,9 +458,10 @@ def check_no_weight_shared_across_ranks(module: nn.Module, stages: Sequence[nn.M
             f"own stages' share of the gradient, and the copies would drift apart. Use "
             f"the threaded Pipe (one process holds the one weight), a schedule or balance "
             f"that puts these stages on one rank (a V schedule such as zb_v holds the first "
-            f"and the last stage on rank 0), untie the weights, or keep the copies equal "
-            f"yourself as Megatron-LM does for its embeddings: all-reduce their gradients "
-            f"over the ranks holding a copy after each step")
+            f"and the last stage on rank 0), or untie the weights (a Parameter of its own "
+            f"per stage); to train untied copies as one weight, as Megatron-LM does for its "
+            f"embeddings, start them equal and all-reduce their gradients over the ranks "
+            f"holding a copy after each step")
 
 
 def _shapes(batch: Any) -> tuple[Any, ...]:
