@@ -11,6 +11,9 @@ import pytest
 import torch
 
 import dist_robust_worker as worker
+from pipeline_lib.distributed.pipe import check_no_weight_shared_across_ranks
+from pipeline_lib.partition import group_layers
+from pipeline_lib.schedules import plan
 from test_distributed import failing_run, torchrun
 
 Tensors = dict[str, torch.Tensor]
@@ -149,3 +152,17 @@ def test_failed_step_leaves_grad_as_it_was_on_every_rank(tmp_path):
     assert ranks[1]["error"] == "RuntimeError: boom: injected failure"
     assert ranks[0]["error"].startswith("RankLost: rank 1 lost")
     assert all(r["step"] == 1 and r["grads_as_before"] for r in ranks)
+
+
+# -- in-process: the parts that need no second process ---------------------------------
+
+def test_frozen_weight_shared_across_ranks_is_accepted():
+    """A frozen weight gets no gradient and no optimizer step: the copies stay equal."""
+    model = worker.tied_lm(4)
+    model[0].weight.requires_grad_(False)
+    stages = group_layers(model, [2, 2])
+    check_no_weight_shared_across_ranks(model, stages, plan("1f1b", 2, 2, 4))
+    model[0].weight.requires_grad_(True)
+    with pytest.raises(ValueError, match="0.weight = 3.weight is used by stage 0 on pipe "
+                                         "rank 0, stage 1 on pipe rank 1"):
+        check_no_weight_shared_across_ranks(model, stages, plan("1f1b", 2, 2, 4))
