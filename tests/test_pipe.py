@@ -363,7 +363,13 @@ def sleepy_model() -> nn.Sequential:
 
 
 def stage_threads() -> list:
+    """The stage threads still alive, given a moment to exit: each has finished its last
+    action when the step returns (`test_interrupts` checks that), but the thread itself
+    ends a little later."""
     import threading
+    for t in threading.enumerate():
+        if t.name.startswith("pipeline-rank"):
+            t.join(timeout=5)
     return [t for t in threading.enumerate()
             if t.name.startswith("pipeline-rank") and t.is_alive()]
 
@@ -430,3 +436,4 @@ def test_input_gradients_reach_the_caller_through_pipe_x():
     nn.functional.cross_entropy(out, y).backward()
     torch.testing.assert_close(x_pipe.grad, x_ref.grad)
     assert_same_grads(model, reference)
+

@@ -23,6 +23,7 @@ from pipeline_lib.schedules import BUILDERS, Action, Schedule, plan, ranks_for
 from pipeline_lib.skip import SkipError, SkipKey, describe, skip_routes
 from pipeline_lib.stage import LossFn, StageRunner
 from pipeline_lib.threaded import allocator
+from pipeline_lib.threaded.interrupts import interrupts_held
 from pipeline_lib.threaded.threads import Mailbox, run_programs
 from pipeline_lib.timeline import Timeline
 
@@ -230,7 +231,9 @@ class Pipe(nn.Module):
         mean-reduced scalar or a pair ``(loss_sum, count)`` (see `pipeline_lib.loss`);
         parameter gradients accumulate as ``loss.backward()`` of the whole batch's loss
         would add them (mean, or Σ loss_sum / Σ count), and that loss is returned,
-        detached. If the step fails or is interrupted, ``.grad`` is left as it was.
+        detached. If the step fails or is interrupted, ``.grad`` is left as it was, and
+        every stage thread has stopped when it raises; an interrupt that comes while the
+        step commits its gradients is raised once they are in: the step then counts.
         """
         check_grad_mode("Pipe.step")
         check_rows(inputs, target)
@@ -277,8 +280,12 @@ class Pipe(nn.Module):
                     mailbox.put(("B", s - 1, i), transfer(grad_in, self.devices[s - 1]))
 
         rank_devices = [self.devices[plan.stages_on(r)[0]] for r in range(plan.ranks)]
-        grads = StepGradients(self.parameters())
+        # .grad is set aside, restored and committed with Ctrl-C held (`interrupts_held`):
+        # each of these whole or not at all, never some parameters and not others
+        grads: StepGradients | None = None
         try:
+            with interrupts_held():
+                grads = StepGradients(self.parameters())
             self._run_programs(plan.actions, rank_devices, receive, compute, mailbox,
                                plan.name)
             losses = [runners[-1].losses[i] for i in range(m)]
@@ -288,9 +295,12 @@ class Pipe(nn.Module):
                 check_count(count)
                 loss = loss / count
         except BaseException:
-            grads.discard()
+            with interrupts_held():
+                if grads is not None:
+                    grads.discard()
             raise
-        grads.commit(1.0 if count is None else 1.0 / count)
+        with interrupts_held():   # an interrupt now comes after the step, which counts
+            grads.commit(1.0 if count is None else 1.0 / count)
         return loss
 
 
