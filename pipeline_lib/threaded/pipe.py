@@ -6,7 +6,9 @@ explicit backward per stage.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+import threading
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -26,6 +28,9 @@ from pipeline_lib.threaded import allocator
 from pipeline_lib.threaded.interrupts import interrupts_held
 from pipeline_lib.threaded.threads import Mailbox, run_programs
 from pipeline_lib.timeline import Timeline
+
+
+_claims = threading.Lock()   # guards every Pipe's ``_stepping`` flag
 
 
 def _training(stage: nn.Module) -> bool:
@@ -94,6 +99,7 @@ class Pipe(nn.Module):
         allocator.for_stages(self.devices, keep_freed_memory)
         self.partitions = nn.ModuleList(s.to(d) for s, d in zip(stages, self.devices))
         self.timeline: Timeline | None = None
+        self._stepping = False   # a step is running (see `_one_step_at_a_time`)
 
     def __len__(self) -> int:
         return len(self.partitions)
@@ -222,6 +228,29 @@ class Pipe(nn.Module):
                                  f"{self.devices[first]}, not {self.devices[s]}")
         return schedule
 
+    @contextlib.contextmanager
+    def _one_step_at_a_time(self) -> Iterator[None]:
+        """Refuse a step while another runs on this Pipe (called from another thread).
+        Each step sets ``.grad`` aside, lets its stages add into it and scales what they
+        added (`StepGradients`): two at once would take each other's gradients aside and
+        scale them, a silently wrong result. The flag, not a lock held over the step, so
+        that a Pipe stays a plain object (``copy.deepcopy``, ``torch.save``)."""
+        claimed = False
+        try:
+            with _claims:
+                if self._stepping:
+                    raise RuntimeError(
+                        "Pipe.step was called while another step is running on this Pipe "
+                        "(from another thread); two at once would mix their gradients in "
+                        ".grad. A Pipe runs one step at a time: wait for the other to "
+                        "return (e.g. hold a threading.Lock around your steps), or build a "
+                        "second Pipe, on its own copy of the model, to train two at once")
+                self._stepping = claimed = True
+            yield
+        finally:
+            if claimed:
+                self._stepping = False
+
     def step(self, inputs: Any, target: Any, loss_fn: LossFn,
              schedule: str | Schedule = "gpipe") -> Tensor:
         """One forward and backward of a mini-batch under ``schedule``.
@@ -234,7 +263,14 @@ class Pipe(nn.Module):
         detached. If the step fails or is interrupted, ``.grad`` is left as it was, and
         every stage thread has stopped when it raises; an interrupt that comes while the
         step commits its gradients is raised once they are in: the step then counts.
+        One step at a time per Pipe: a second call while one runs (from another thread)
+        raises `RuntimeError`.
         """
+        with self._one_step_at_a_time():
+            return self._step(inputs, target, loss_fn, schedule)
+
+    def _step(self, inputs: Any, target: Any, loss_fn: LossFn,
+              schedule: str | Schedule) -> Tensor:
         check_grad_mode("Pipe.step")
         check_rows(inputs, target)
         micro_in, micro_target = split(inputs, self.chunks), split(target, self.chunks)
