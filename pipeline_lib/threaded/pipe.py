@@ -24,6 +24,7 @@ from pipeline_lib.rng import new_step_seed
 from pipeline_lib.schedules import BUILDERS, Action, Schedule, plan, ranks_for
 from pipeline_lib.skip import SkipError, SkipKey, describe, skip_routes
 from pipeline_lib.stage import LossFn, StageRunner
+from pipeline_lib.thread_state import ThreadState
 from pipeline_lib.threaded import allocator
 from pipeline_lib.threaded.interrupts import interrupts_held
 from pipeline_lib.threaded.threads import Mailbox, run_programs
@@ -180,6 +181,7 @@ class Pipe(nn.Module):
         micro = split(inputs, self.chunks)
         m, n = len(micro), len(self.partitions)
         step_seed = new_step_seed()
+        modes = ThreadState.capture()   # a replay in the backward runs under its autocast
         # the caller's tensors are used as they are unless it wants their gradients
         wants_input_grads = any(t.requires_grad for t in tree.tensors(inputs))
         # In eval mode nothing is checkpointed (as in the classic API): evaluation rarely
@@ -200,7 +202,7 @@ class Pipe(nn.Module):
             s, i = action.stage, action.microbatch
             x, skips = received
             x = transfer(x, self.devices[s])
-            y, stashed = _StageFunction.run(runners[s], i, x, skips)
+            y, stashed = _StageFunction.run(runners[s], i, x, skips, modes)
             self._send_skips(mailbox, s, i, stashed)
             if s == n - 1:
                 outputs[i] = y
@@ -347,9 +349,11 @@ class _StageFunction(torch.autograd.Function):
     backward is the `StageRunner`'s, which replays a checkpointed forward first."""
 
     @staticmethod
-    def run(runner: StageRunner, microbatch: int, x: Any, skips: dict[SkipKey, Tensor]
-            ) -> tuple[Any, dict[SkipKey, Tensor]]:
-        """The stage's output and stashed tensors, connected to autograd if it is on."""
+    def run(runner: StageRunner, microbatch: int, x: Any, skips: dict[SkipKey, Tensor],
+            modes: ThreadState) -> tuple[Any, dict[SkipKey, Tensor]]:
+        """The stage's output and stashed tensors, connected to autograd if it is on.
+        ``modes``: the caller's, whose autocast a checkpointed forward is replayed under
+        (autograd calls the backward on any thread, outside the caller's block)."""
         y = runner.forward(microbatch, x, skips=skips)
         stashed = runner.take_stashed(microbatch)
         if not torch.is_grad_enabled():
@@ -362,16 +366,17 @@ class _StageFunction(torch.autograd.Function):
         stashed_tensors = {k: t for k, t in stashed.items() if isinstance(t, Tensor)}
         popped = [k for k, t in skips.items() if isinstance(t, Tensor)]
         flat = iter(_StageFunction.apply(runner, microbatch, x, y, stashed_tensors, popped,
-                                         trains, *tree.tensors(x), *(skips[k] for k in popped)))
+                                         modes, trains, *tree.tensors(x),
+                                         *(skips[k] for k in popped)))
         y = tree.map_tensors(lambda _: next(flat), y)
         return y, {k: next(flat) if k in stashed_tensors else t for k, t in stashed.items()}
 
     @staticmethod
     def forward(ctx, runner: StageRunner, microbatch: int, x: Any, y: Any,
-                stashed: dict[SkipKey, Tensor], popped: list[SkipKey], trains: Tensor,
-                *inputs: Tensor) -> tuple[Tensor, ...]:
+                stashed: dict[SkipKey, Tensor], popped: list[SkipKey], modes: ThreadState,
+                trains: Tensor, *inputs: Tensor) -> tuple[Tensor, ...]:
         ctx.runner, ctx.microbatch, ctx.y, ctx.stash_keys = runner, microbatch, y, list(stashed)
-        ctx.popped = popped
+        ctx.popped, ctx.modes = popped, modes
         ctx.x_is_tensor = [isinstance(leaf, Tensor) for leaf in tree.leaves(x)]
         ctx.set_materialize_grads(False)   # None, not zeros, for outputs left unused
         outputs = [t.detach() for t in tree.tensors(y) + list(stashed.values())]
@@ -384,10 +389,11 @@ class _StageFunction(torch.autograd.Function):
         it = iter(grads[:n])
         grad_y = tree.map_leaves(lambda v: next(it) if isinstance(v, Tensor) else None, ctx.y)
         runner, i = ctx.runner, ctx.microbatch
-        with torch.enable_grad():   # autograd runs backwards with it off; a replay needs it
+        # autograd runs backwards with grad mode off; a replay needs it on
+        with torch.enable_grad(), ctx.modes.autocast_applied():
             grad_x = runner.backward(i, grad_y,
                                      skip_grads=dict(zip(ctx.stash_keys, grads[n:])))
         popped = runner.take_skip_grads(i)
         grad_x = [g for g, is_tensor in zip(tree.leaves(grad_x), ctx.x_is_tensor) if is_tensor] \
             if grad_x is not None else [None] * sum(ctx.x_is_tensor)
-        return (None,) * 7 + (*grad_x, *(popped.get(k) for k in ctx.popped))
+        return (None,) * 8 + (*grad_x, *(popped.get(k) for k in ctx.popped))

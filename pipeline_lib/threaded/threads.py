@@ -19,6 +19,7 @@ from typing import Any, Callable, Hashable
 import torch
 
 from pipeline_lib.schedules import Action
+from pipeline_lib.thread_state import ThreadState
 from pipeline_lib.threaded.interrupts import interrupts_held, wait_until_set
 from pipeline_lib.timeline import Event, Timeline
 
@@ -68,9 +69,9 @@ def run_programs(programs: list[list[Action]], devices: list[torch.device],
     end time is taken, so the timeline shows when the device really worked rather than
     when kernels were queued.
     """
-    # grad mode and the intra-op thread count are per thread: hand them on (a new thread
-    # would start with OpenMP's default, one thread per core, in its first matmuls)
-    grad_enabled, intra_op_threads = torch.is_grad_enabled(), torch.get_num_threads()
+    # grad mode, autocast, saved-tensor hooks, the intra-op thread count... are per
+    # thread: each stage thread computes under the caller's (see `thread_state`)
+    modes = ThreadState.capture()
     errors: list[tuple[int, Action | None, BaseException]] = []
     events: list[Event] = []
     # each thread sets its flag as the very last thing it does; the caller waits for
@@ -82,10 +83,9 @@ def run_programs(programs: list[list[Action]], devices: list[torch.device],
         device = devices[rank]
         action = None
         try:
-            torch.set_num_threads(intra_op_threads)
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            with torch.set_grad_enabled(grad_enabled):
+            with modes.applied():
                 for action in programs[rank]:
                     mailbox.check()
                     received = receive(action)
