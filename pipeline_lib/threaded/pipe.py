@@ -60,6 +60,9 @@ class Pipe(nn.Module):
       gradient straight back. They are checked here: mismatches raise `SkipError`.
     * ``deferred_batch_norm=True``: BatchNorm layers become `DeferredBatchNorm`, whose
       running statistics are updated once per mini-batch, as without micro-batches.
+    * Stage threads run under the caller's thread-local modes: ``torch.autocast``,
+      saved-tensor hooks (``torch.autograd.graph.save_on_cpu``), grad and inference
+      mode, the thread count (see `pipeline_lib.thread_state`).
     * Stages stay on their devices: moving the Pipe (``.cuda()``, ``.to(device)``)
       raises `TypeError`; a dtype conversion (``.double()``) is fine.
     * With a stage on the CPU, building a Pipe sets glibc's allocator, process-wide and
