@@ -150,6 +150,35 @@ def test_pipe_x_under_inference_mode_runs_its_stages_in_it():
     torch.testing.assert_close(out, expected)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_autocast_holds_and_save_on_cpu_moves_what_stages_save_to_the_cpu():
+    """Where mixed precision and offloading matter: the stage threads compute in
+    bfloat16 and their saved tensors wait for the backward on the CPU."""
+    gpu = torch.device("cuda", 0)
+    x, y = (t.to(gpu) for t in data(8))
+    reference, model = make_model().to(gpu), make_model().to(gpu)
+    pipe = Pipe(model, chunks=CHUNKS, checkpoint="never", balance=BALANCES[2])
+    offload = torch.autograd.graph.save_on_cpu()
+    offloaded_to = []
+
+    def pack(tensor):
+        device, stored = offload.pack_hook(tensor)
+        offloaded_to.append((device.type, stored.device.type))
+        return device, stored
+
+    with torch.autocast("cuda", torch.bfloat16, cache_enabled=False):   # (see above)
+        expected = microbatched(reference, x)
+        with torch.autograd.graph.saved_tensors_hooks(pack, offload.unpack_hook):
+            out = pipe(x)
+        loss, expected_loss = (nn.functional.cross_entropy(o, y) for o in (out, expected))
+    assert out.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected)
+    assert offloaded_to and set(offloaded_to) == {("cuda", "cpu")}
+    loss.backward()
+    expected_loss.backward()
+    assert_same_grads(model, reference, rtol=1e-3, atol=1e-4)
+
+
 # -- parallel_apply ---------------------------------------------------------------------
 
 def test_parallel_apply_under_autocast_computes_what_each_module_does_under_it():
