@@ -52,10 +52,11 @@ class SlowBackward(nn.Module):
         return _SlowBackward.apply(x * self.scale, self)
 
 
-def slow_model() -> nn.Sequential:
-    """The slow backward on stage 0, the thread the caller waits for first."""
+def slow_model(seconds: float = 1.5) -> nn.Sequential:
+    """The slow backward on stage 0, the thread the caller waits for first. The
+    interrupts below come 0.3 s into it: the rest is margin for a loaded machine."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 6), SlowBackward(1.0), nn.Tanh(), nn.Linear(6, 3))
+    return nn.Sequential(nn.Linear(6, 6), SlowBackward(seconds), nn.Tanh(), nn.Linear(6, 3))
 
 
 def plain_grads(x, y) -> nn.Sequential:
@@ -93,6 +94,29 @@ def test_ctrl_c_in_a_long_backward_waits_for_it_and_the_next_step_is_exact(sched
     pipe.step(x, y, nn.CrossEntropyLoss(), schedule)
     slow.finished.wait(5)   # (the old code's stray backward lands about now)
     assert_same_grads(model, plain_grads(x, y))
+
+
+@pytest.mark.timeout(60)
+def test_a_second_ctrl_c_while_a_stage_finishes_its_action_says_why_it_waits(capsys):
+    x, y = data(4)
+    model = slow_model(seconds=3.0)
+    slow = model[1]
+    pipe = Pipe(model, chunks=2, checkpoint="never", balance=[2, 2])
+
+    def interrupt_twice():
+        if slow.started.wait(30):
+            for _ in range(2):
+                time.sleep(0.3)
+                interrupt_main()
+
+    interrupter = threading.Thread(target=interrupt_twice)
+    interrupter.start()
+    with pytest.raises(KeyboardInterrupt):
+        pipe.step(x, y, nn.CrossEntropyLoss(), "1f1b")
+    interrupter.join()
+    assert slow.finished.is_set()
+    assert "Still waiting for the pipeline's threads" in capsys.readouterr().err
+    assert all(p.grad is None for p in model.parameters())
 
 
 # -- an interrupt at every point of a step -----------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from typing import Iterable, Iterator
 
@@ -51,10 +52,16 @@ def wait_until_set(events: Iterable[threading.Event]) -> None:
     """Wait until every event is set, through any number of interrupts. For threads
     already told to stop, while the caller is on its way out with an exception anyway:
     each thread finishes its current action at most, and a further Ctrl-C must not cut
-    that short, or the action would run on behind the caller's back."""
+    that short, or the action would run on behind the caller's back. That Ctrl-C is
+    answered with a line on stderr, so that a long action does not look like a hang."""
+    told = False
     for event in events:
         while not event.is_set():
             try:
                 event.wait()
             except KeyboardInterrupt:
-                continue
+                if not told:
+                    print("Still waiting for the pipeline's threads to finish the action "
+                          "each is in (an action cannot be cut short): they stop right "
+                          "after it, and the step then raises.", file=sys.stderr)
+                    told = True
