@@ -24,6 +24,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from pipeline_lib.thread_state import ThreadState
+
 Device = torch.device | str
 
 
@@ -51,19 +53,23 @@ def parallel_apply(modules: Sequence[Callable[[Any], Any]],
     """``modules[i](inputs[i])`` for every i at once, one thread each (any callables do:
     `multi_device_loss` runs a loss-and-backward function per device).
 
-    An exception in any thread is raised here, naming the replica, once all have
-    finished: none is left running.
+    Each thread runs under the caller's thread-local modes: ``torch.autocast``,
+    ``saved_tensors_hooks`` (``save_on_cpu``), grad mode and the intra-op thread count
+    (`pipeline_lib.thread_state`). An exception in any thread is raised here, naming the
+    replica, once all have finished: none is left running.
     """
     if len(modules) != len(inputs):
         raise ValueError(f"got {len(modules)} modules for {len(inputs)} inputs; "
                          f"parallel_apply runs module i on input i")
     results: list[Any] = [None] * len(modules)
     errors: list[tuple[int, BaseException]] = []
-    grad_enabled = torch.is_grad_enabled()   # a per-thread setting: carry it over
+    # grad mode, autocast, saved-tensor hooks and the thread count are per thread: each
+    # replica computes under the caller's (`thread_state`)
+    modes = ThreadState.capture()
 
     def work(i: int) -> None:
         try:
-            with torch.set_grad_enabled(grad_enabled):
+            with modes.applied():
                 results[i] = modules[i](inputs[i])
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller below
             errors.append((i, error))

@@ -6,7 +6,9 @@ explicit backward per stage.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+import threading
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -22,9 +24,14 @@ from pipeline_lib.rng import new_step_seed
 from pipeline_lib.schedules import BUILDERS, Action, Schedule, plan, ranks_for
 from pipeline_lib.skip import SkipError, SkipKey, describe, skip_routes
 from pipeline_lib.stage import LossFn, StageRunner
+from pipeline_lib.thread_state import ThreadState
 from pipeline_lib.threaded import allocator
+from pipeline_lib.threaded.interrupts import interrupts_held
 from pipeline_lib.threaded.threads import Mailbox, run_programs
 from pipeline_lib.timeline import Timeline
+
+
+_claims = threading.Lock()   # guards every Pipe's ``_stepping`` flag
 
 
 def _training(stage: nn.Module) -> bool:
@@ -53,6 +60,9 @@ class Pipe(nn.Module):
       gradient straight back. They are checked here: mismatches raise `SkipError`.
     * ``deferred_batch_norm=True``: BatchNorm layers become `DeferredBatchNorm`, whose
       running statistics are updated once per mini-batch, as without micro-batches.
+    * Stage threads run under the caller's thread-local modes: ``torch.autocast``,
+      saved-tensor hooks (``torch.autograd.graph.save_on_cpu``), grad and inference
+      mode, the thread count (see `pipeline_lib.thread_state`).
     * Stages stay on their devices: moving the Pipe (``.cuda()``, ``.to(device)``)
       raises `TypeError`; a dtype conversion (``.double()``) is fine.
     * With a stage on the CPU, building a Pipe sets glibc's allocator, process-wide and
@@ -93,6 +103,7 @@ class Pipe(nn.Module):
         allocator.for_stages(self.devices, keep_freed_memory)
         self.partitions = nn.ModuleList(s.to(d) for s, d in zip(stages, self.devices))
         self.timeline: Timeline | None = None
+        self._stepping = False   # a step is running (see `_one_step_at_a_time`)
 
     def __len__(self) -> int:
         return len(self.partitions)
@@ -173,6 +184,7 @@ class Pipe(nn.Module):
         micro = split(inputs, self.chunks)
         m, n = len(micro), len(self.partitions)
         step_seed = new_step_seed()
+        modes = ThreadState.capture()   # a replay in the backward runs under its autocast
         # the caller's tensors are used as they are unless it wants their gradients
         wants_input_grads = any(t.requires_grad for t in tree.tensors(inputs))
         # In eval mode nothing is checkpointed (as in the classic API): evaluation rarely
@@ -193,7 +205,7 @@ class Pipe(nn.Module):
             s, i = action.stage, action.microbatch
             x, skips = received
             x = transfer(x, self.devices[s])
-            y, stashed = _StageFunction.run(runners[s], i, x, skips)
+            y, stashed = _StageFunction.run(runners[s], i, x, skips, modes)
             self._send_skips(mailbox, s, i, stashed)
             if s == n - 1:
                 outputs[i] = y
@@ -221,6 +233,29 @@ class Pipe(nn.Module):
                                  f"{self.devices[first]}, not {self.devices[s]}")
         return schedule
 
+    @contextlib.contextmanager
+    def _one_step_at_a_time(self) -> Iterator[None]:
+        """Refuse a step while another runs on this Pipe (called from another thread).
+        Each step sets ``.grad`` aside, lets its stages add into it and scales what they
+        added (`StepGradients`): two at once would take each other's gradients aside and
+        scale them, a silently wrong result. The flag, not a lock held over the step, so
+        that a Pipe stays a plain object (``copy.deepcopy``, ``torch.save``)."""
+        claimed = False
+        try:
+            with _claims:
+                if self._stepping:
+                    raise RuntimeError(
+                        "Pipe.step was called while another step is running on this Pipe "
+                        "(from another thread); two at once would mix their gradients in "
+                        ".grad. A Pipe runs one step at a time: wait for the other to "
+                        "return (e.g. hold a threading.Lock around your steps), or build a "
+                        "second Pipe, on its own copy of the model, to train two at once")
+                self._stepping = claimed = True
+            yield
+        finally:
+            if claimed:
+                self._stepping = False
+
     def step(self, inputs: Any, target: Any, loss_fn: LossFn,
              schedule: str | Schedule = "gpipe") -> Tensor:
         """One forward and backward of a mini-batch under ``schedule``.
@@ -230,8 +265,17 @@ class Pipe(nn.Module):
         mean-reduced scalar or a pair ``(loss_sum, count)`` (see `pipeline_lib.loss`);
         parameter gradients accumulate as ``loss.backward()`` of the whole batch's loss
         would add them (mean, or Σ loss_sum / Σ count), and that loss is returned,
-        detached. If the step fails or is interrupted, ``.grad`` is left as it was.
+        detached. If the step fails or is interrupted, ``.grad`` is left as it was, and
+        every stage thread has stopped when it raises; an interrupt that comes while the
+        step commits its gradients is raised once they are in: the step then counts.
+        One step at a time per Pipe: a second call while one runs (from another thread)
+        raises `RuntimeError`.
         """
+        with self._one_step_at_a_time():
+            return self._step(inputs, target, loss_fn, schedule)
+
+    def _step(self, inputs: Any, target: Any, loss_fn: LossFn,
+              schedule: str | Schedule) -> Tensor:
         check_grad_mode("Pipe.step")
         check_rows(inputs, target)
         micro_in, micro_target = split(inputs, self.chunks), split(target, self.chunks)
@@ -277,8 +321,12 @@ class Pipe(nn.Module):
                     mailbox.put(("B", s - 1, i), transfer(grad_in, self.devices[s - 1]))
 
         rank_devices = [self.devices[plan.stages_on(r)[0]] for r in range(plan.ranks)]
-        grads = StepGradients(self.parameters())
+        # .grad is set aside, restored and committed with Ctrl-C held (`interrupts_held`):
+        # each of these whole or not at all, never some parameters and not others
+        grads: StepGradients | None = None
         try:
+            with interrupts_held():
+                grads = StepGradients(self.parameters())
             self._run_programs(plan.actions, rank_devices, receive, compute, mailbox,
                                plan.name)
             losses = [runners[-1].losses[i] for i in range(m)]
@@ -288,9 +336,12 @@ class Pipe(nn.Module):
                 check_count(count)
                 loss = loss / count
         except BaseException:
-            grads.discard()
+            with interrupts_held():
+                if grads is not None:
+                    grads.discard()
             raise
-        grads.commit(1.0 if count is None else 1.0 / count)
+        with interrupts_held():   # an interrupt now comes after the step, which counts
+            grads.commit(1.0 if count is None else 1.0 / count)
         return loss
 
 
@@ -301,9 +352,11 @@ class _StageFunction(torch.autograd.Function):
     backward is the `StageRunner`'s, which replays a checkpointed forward first."""
 
     @staticmethod
-    def run(runner: StageRunner, microbatch: int, x: Any, skips: dict[SkipKey, Tensor]
-            ) -> tuple[Any, dict[SkipKey, Tensor]]:
-        """The stage's output and stashed tensors, connected to autograd if it is on."""
+    def run(runner: StageRunner, microbatch: int, x: Any, skips: dict[SkipKey, Tensor],
+            modes: ThreadState) -> tuple[Any, dict[SkipKey, Tensor]]:
+        """The stage's output and stashed tensors, connected to autograd if it is on.
+        ``modes``: the caller's, whose autocast a checkpointed forward is replayed under
+        (autograd calls the backward on any thread, outside the caller's block)."""
         y = runner.forward(microbatch, x, skips=skips)
         stashed = runner.take_stashed(microbatch)
         if not torch.is_grad_enabled():
@@ -316,16 +369,17 @@ class _StageFunction(torch.autograd.Function):
         stashed_tensors = {k: t for k, t in stashed.items() if isinstance(t, Tensor)}
         popped = [k for k, t in skips.items() if isinstance(t, Tensor)]
         flat = iter(_StageFunction.apply(runner, microbatch, x, y, stashed_tensors, popped,
-                                         trains, *tree.tensors(x), *(skips[k] for k in popped)))
+                                         modes, trains, *tree.tensors(x),
+                                         *(skips[k] for k in popped)))
         y = tree.map_tensors(lambda _: next(flat), y)
         return y, {k: next(flat) if k in stashed_tensors else t for k, t in stashed.items()}
 
     @staticmethod
     def forward(ctx, runner: StageRunner, microbatch: int, x: Any, y: Any,
-                stashed: dict[SkipKey, Tensor], popped: list[SkipKey], trains: Tensor,
-                *inputs: Tensor) -> tuple[Tensor, ...]:
+                stashed: dict[SkipKey, Tensor], popped: list[SkipKey], modes: ThreadState,
+                trains: Tensor, *inputs: Tensor) -> tuple[Tensor, ...]:
         ctx.runner, ctx.microbatch, ctx.y, ctx.stash_keys = runner, microbatch, y, list(stashed)
-        ctx.popped = popped
+        ctx.popped, ctx.modes = popped, modes
         ctx.x_is_tensor = [isinstance(leaf, Tensor) for leaf in tree.leaves(x)]
         ctx.set_materialize_grads(False)   # None, not zeros, for outputs left unused
         outputs = [t.detach() for t in tree.tensors(y) + list(stashed.values())]
@@ -338,10 +392,11 @@ class _StageFunction(torch.autograd.Function):
         it = iter(grads[:n])
         grad_y = tree.map_leaves(lambda v: next(it) if isinstance(v, Tensor) else None, ctx.y)
         runner, i = ctx.runner, ctx.microbatch
-        with torch.enable_grad():   # autograd runs backwards with it off; a replay needs it
+        # autograd runs backwards with grad mode off; a replay needs it on
+        with torch.enable_grad(), ctx.modes.autocast_applied():
             grad_x = runner.backward(i, grad_y,
                                      skip_grads=dict(zip(ctx.stash_keys, grads[n:])))
         popped = runner.take_skip_grads(i)
         grad_x = [g for g, is_tensor in zip(tree.leaves(grad_x), ctx.x_is_tensor) if is_tensor] \
             if grad_x is not None else [None] * sum(ctx.x_is_tensor)
-        return (None,) * 7 + (*grad_x, *(popped.get(k) for k in ctx.popped))
+        return (None,) * 8 + (*grad_x, *(popped.get(k) for k in ctx.popped))

@@ -5,9 +5,10 @@ two stage threads on two CPU cores (or two GPUs) compute at the same time. Activ
 gradients travel through a `Mailbox`; a thread that needs one waits for it. If any thread
 raises, the mailbox is closed, every waiting thread wakes up and stops, and the caller
 gets the original exception: no hang. If the caller itself is interrupted (Ctrl-C in a
-notebook), the mailbox is closed too and the caller waits for every thread to stop
-before it re-raises: no stage thread is left running, adding gradients behind the next
-step's back.
+notebook), the mailbox is closed too and the caller waits for every thread to finish
+its current action and stop before it re-raises: no stage thread is left running, adding
+gradients behind the next step's back (`interrupts` says how, and why not
+``Thread.join``).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from typing import Any, Callable, Hashable
 import torch
 
 from pipeline_lib.schedules import Action
+from pipeline_lib.thread_state import ThreadState
+from pipeline_lib.threaded.interrupts import interrupts_held, wait_until_set
 from pipeline_lib.timeline import Event, Timeline
 
 
@@ -66,21 +69,23 @@ def run_programs(programs: list[list[Action]], devices: list[torch.device],
     end time is taken, so the timeline shows when the device really worked rather than
     when kernels were queued.
     """
-    # grad mode and the intra-op thread count are per thread: hand them on (a new thread
-    # would start with OpenMP's default, one thread per core, in its first matmuls)
-    grad_enabled, intra_op_threads = torch.is_grad_enabled(), torch.get_num_threads()
+    # grad mode, autocast, saved-tensor hooks, the intra-op thread count... are per
+    # thread: each stage thread computes under the caller's (see `thread_state`)
+    modes = ThreadState.capture()
     errors: list[tuple[int, Action | None, BaseException]] = []
     events: list[Event] = []
+    # each thread sets its flag as the very last thing it does; the caller waits for
+    # these, not for Thread.join (see `interrupts`)
+    finished = [threading.Event() for _ in programs]
     t0 = time.perf_counter()
 
     def worker(rank: int) -> None:
         device = devices[rank]
         action = None
         try:
-            torch.set_num_threads(intra_op_threads)
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            with torch.set_grad_enabled(grad_enabled):
+            with modes.applied():
                 for action in programs[rank]:
                     mailbox.check()
                     received = receive(action)
@@ -92,17 +97,24 @@ def run_programs(programs: list[list[Action]], devices: list[torch.device],
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             errors.append((rank, action, exc))
             mailbox.close(exc)
+        finally:
+            finished[rank].set()
 
     threads = [threading.Thread(target=worker, args=(r,), name=f"pipeline-rank{r}",
                                 daemon=True) for r in range(len(programs))]
+    running: list[threading.Event] = []   # the flags of the threads that were started
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        with interrupts_held():   # all threads start, or the caller knows which did
+            for thread, flag in zip(threads, finished):
+                thread.start()
+                running.append(flag)
+        for flag in running:
+            flag.wait()
     except BaseException as exc:   # the caller was interrupted: stop the threads first
-        mailbox.close(exc)
-        _join_stopping(threads)
+        try:
+            mailbox.close(exc)
+        finally:   # (even if a second Ctrl-C cut that short: then they run to the end)
+            wait_until_set(running)
         raise
     if errors:
         # report the failure that caused the others (they only saw the abort)
@@ -114,14 +126,3 @@ def run_programs(programs: list[list[Action]], devices: list[torch.device],
     events.sort(key=lambda e: (e.start, e.rank))
     return Timeline(len(programs), events, unit="s", title=title)
 
-
-def _join_stopping(threads: list[threading.Thread]) -> None:
-    """Wait for threads told to stop. Each stops before its next action, so this waits
-    for one action at most; a second Ctrl-C must not cut that wait short, or the
-    interrupted step's last actions would run on behind the next step."""
-    for t in threads:
-        while t.is_alive():   # (False for a thread not started yet)
-            try:
-                t.join()
-            except KeyboardInterrupt:
-                continue
