@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeline_lib.distributed.launch import rank_device
+
 
 def check_same_everywhere(what: str, config: dict[str, Any]) -> None:
     """Raise on every rank if the ranks were given different ``config``: ranks that
@@ -99,8 +101,7 @@ def init_mesh(pp: int, dp: int = 1, timeout: float = 300.0) -> Mesh:
             group = dist.new_group([d * pp + p for d in range(dp)], timeout=wait)
             if p == pipe_rank:
                 dp_group = group
-    device = (torch.device("cuda", torch.cuda.current_device())
-              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    device = rank_device(dist.get_backend())
     links = {}
     for d in range(dp):
         for src, dst in _neighbour_pairs(pp):
