@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline_lib.distributed import DistributedPipe, init_mesh, process_group
+from pipeline_lib.grad_clip import clip_grad_norm_
 from pipeline_lib.lm.data import batchify, get_batch, load_wikitext2
 from pipeline_lib.lm.loops import batch_starts, lm_loss, seed_everything
 from pipeline_lib.lm.model import transformer_lm
@@ -59,6 +60,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=_at_least_one("train for at least one step"),
                         default=100)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--clip", type=float, default=0.5, metavar="MAX_NORM",
+                        help="clip the whole model's gradient norm (summed over the pipeline's "
+                        "ranks) to MAX_NORM, as the seed tutorials do; 0 turns clipping off")
     parser.add_argument("--preset", default="cpu", help="pipeline_lib.lm.model.PRESETS")
     parser.add_argument("--balance", choices=["time", "params"], default="time",
                         help="split stages by measured time or by parameter count")
@@ -156,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             loss = pipe.step(inputs, targets, lm_loss)
+            if args.clip:
+                clip_grad_norm_(pipe, args.clip)
             optimizer.step()
             seconds = time.perf_counter() - start
             if step % args.log_every and step != len(starts):
