@@ -1,7 +1,9 @@
 """Launch a test worker script with torchrun on this machine, never hanging the tests."""
 from __future__ import annotations
 
+import functools
 import os
+import tempfile
 import subprocess
 import sys
 from pathlib import Path
@@ -26,3 +28,11 @@ def torchrun_worker(script: str, nproc: int, *args: str, timeout: float = 240) -
         pytest.fail(f"{script} {' '.join(args)} hung for {timeout} s:\n{kill_job(process)}")
     assert process.returncode == 0, output
     return output
+
+
+@functools.cache
+def clip_and_bf16_run() -> Path:
+    """The folder of the one launch that the clipping and the bfloat16 tests share."""
+    out = Path(tempfile.mkdtemp(prefix="clip-bf16-"))
+    torchrun_worker("dist_train_worker.py", 4, "--scenario", "clip", "--out", str(out))
+    return out
