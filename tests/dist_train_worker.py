@@ -7,6 +7,10 @@ schedules too: a rank holds two stages), one step of a tiny LM, then `clip_grad_
 the 2-norm and the inf-norm, clipping active; each rank saves the norm and its clipped
 gradients by the unpipelined model's names.
 
+Then, in the same launch (`run_bf16`), one 1F1B step
+of two 4-rank pipelines under ``torch.autocast("cpu", torch.bfloat16)``; each rank saves
+the dtypes of the tensors it sent and received, of its weights and gradients, and the loss.
+
 ``--scenario resume --phase save --out DIR`` (4 processes) trains 1F1B runs for `STEPS`
 steps and saves after `SAVED_AT` (`RUNS`); ``--phase resume`` (2 processes) and the end
 of ``save`` resume saved runs on other layouts. Each run's per-step losses land in
@@ -31,12 +35,12 @@ from pipeline_lib.grad_clip import clip_grad_norm_
 from pipeline_lib.schedules import stages_per_rank
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dist_worker import MICROBATCHES, batch, tiny_lm, token_loss  # noqa: E402
+from dist_worker import MICROBATCHES, SEQ, batch, tiny_lm, token_loss  # noqa: E402
 
 CLIP_SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v"]
 NORMS = {"2": 2.0, "inf": math.inf}
 CLIP = {"2": 0.05, "inf": 0.005}   # far below the tiny LM's first norms: clipping is active
-STEPS, SAVED_AT, ROWS, SEQ, LR, RESUME_CLIP = 4, 2, 16, 6, 0.01, 0.5
+STEPS, SAVED_AT, ROWS, LR, RESUME_CLIP = 4, 2, 16, 0.01, 0.5
 DROPOUT = 0.2
 # run name -> (pp, dp, dropout, checkpoint to resume from or None)
 RUNS = {"save": {"4x1": (4, 1, 0.0, None), "2x2": (2, 2, 0.0, None),
@@ -65,6 +69,44 @@ def run_clip(out: Path) -> None:
                 torch.save({"norm": total.item(),
                             "grads": {names[id(p)]: p.grad for p in pipe.parameters()}},
                            out / f"{pp}x{dp}-{name}-{norm}-rank{mesh.rank}.pt")
+
+
+def run_bf16(out: Path) -> None:
+    """Two pipelines under autocast: the tiny LM, whose residual stream stays float32 (its
+    blocks end in a LayerNorm, which autocast runs in float32), and four Linear layers,
+    whose outputs autocast makes bfloat16, so that bfloat16 messages cross every link."""
+    mesh = init_mesh(4, 1, timeout=60)
+    inputs, target = batch()
+    torch.manual_seed(0)
+    linears = torch.nn.Sequential(*(torch.nn.Linear(SEQ, SEQ) for _ in range(4)))
+    for name, model, data, loss_fn in (
+            ("lm", tiny_lm(), (inputs, target), token_loss),
+            ("linear", linears, (inputs.float(), target.float()), torch.nn.functional.mse_loss)):
+        pipe = DistributedPipe(model, mesh, even_balance(len(model), 4), MICROBATCHES, "1f1b")
+        seen: dict[str, list[str]] = {"sent": [], "received": []}
+        send, receive = pipe.transport.send, pipe.transport.receive
+
+        def sending(dst, message, value, send=send, seen=seen):  # type: ignore[no-untyped-def]
+            seen["sent"] += [f"{message.kind}:{d}" for d in _dtypes(value)]
+            return send(dst, message, value)
+
+        def receiving(src, message, receive=receive, seen=seen):  # type: ignore[no-untyped-def]
+            value = receive(src, message)
+            seen["received"] += [f"{message.kind}:{d}" for d in _dtypes(value)]
+            return value
+
+        pipe.transport.send, pipe.transport.receive = sending, receiving
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = pipe.step(*data, loss_fn)
+        torch.save({**seen, "loss": None if loss is None else loss.item(),
+                    "weights": sorted({str(p.dtype) for p in pipe.parameters()}),
+                    "grads": sorted({str(p.grad.dtype) for p in pipe.parameters()})},
+                   out / f"bf16-{name}-rank{mesh.rank}.pt")
+
+
+def _dtypes(value: object) -> list[str]:
+    items = value if isinstance(value, tuple) else (value,)
+    return [str(t.dtype) for t in items if isinstance(t, torch.Tensor)]
 
 
 def step_batch(step: int, vocab: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,6 +150,7 @@ def main() -> None:
     with process_group(backend="gloo", timeout=60):
         if args.scenario == "clip":
             run_clip(args.out)
+            run_bf16(args.out)   # one launch fewer for the tests
         else:
             for run, layout in RUNS[args.phase].items():
                 train(args.out, run, *layout)

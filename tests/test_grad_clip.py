@@ -10,7 +10,7 @@ import torch
 
 import dist_train_worker as worker
 from dist_worker import MICROBATCHES, batch, tiny_lm, token_loss
-from launch_worker import torchrun_worker
+from launch_worker import clip_and_bf16_run
 from pipeline_lib import Pipe
 from pipeline_lib.grad_clip import clip_grad_norm_
 from pipeline_lib.schedules import build, stages_per_rank
@@ -43,10 +43,8 @@ def test_threaded_pipe_clips_the_whole_model(name, norm):
 
 
 @pytest.fixture(scope="module")
-def clipped(tmp_path_factory):
-    out = tmp_path_factory.mktemp("clip")
-    torchrun_worker("dist_train_worker.py", 4, "--scenario", "clip", "--out", str(out))
-    return out
+def clipped():
+    return clip_and_bf16_run()
 
 
 @pytest.mark.parametrize("mesh", ["4x1", "2x2"])
