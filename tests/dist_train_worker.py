@@ -2,7 +2,8 @@
 checkpoints that resume on another layout. `test_grad_clip.py` and `test_run_state.py`
 launch it with torchrun, on gloo.
 
-``--scenario clip --out DIR`` (4 processes): on meshes 4x1 and 2x2, every schedule (V
+``--scenario clip --out DIR`` (4 processes; 2 on GPUs: meshes 2x1 and 1x2, `CLIP_MESHES`):
+on meshes 4x1 and 2x2, every schedule (V
 schedules too: a rank holds two stages), one step of a tiny LM, then `clip_grad_norm_` with
 the 2-norm and the inf-norm, clipping active; each rank saves the norm and its clipped
 gradients by the unpipelined model's names.
@@ -13,8 +14,9 @@ the dtypes of the tensors it sent and received, of its weights and gradients, an
 
 ``--scenario resume --phase save --out DIR`` (4 processes) trains 1F1B runs for `STEPS`
 steps and saves after `SAVED_AT` (`RUNS`); ``--phase resume`` (2 processes) and the end
-of ``save`` resume saved runs on other layouts. Each run's per-step losses land in
-``DIR/{run}.json``.
+of ``save`` resume saved runs on other layouts; ``--phase gpu`` is `make gpu-check`'s (2
+GPUs). Each run's per-step losses land in ``DIR/{run}.json``. ``--backend default`` lets
+`process_group` choose (NCCL where every process has a GPU); the tests on CPUs use gloo.
 """
 from __future__ import annotations
 
@@ -47,16 +49,23 @@ RUNS = {"save": {"4x1": (4, 1, 0.0, None), "2x2": (2, 2, 0.0, None),
                  "2x2-dropout": (2, 2, DROPOUT, None),
                  "2x2-to-4x1": (4, 1, 0.0, "2x2"),
                  "2x2-dropout-to-2x2": (2, 2, DROPOUT, "2x2-dropout")},
-        "resume": {"2x2-to-1x2": (1, 2, 0.0, "2x2"), "4x1-to-2x1": (2, 1, 0.0, "4x1")}}
+        "resume": {"2x2-to-1x2": (1, 2, 0.0, "2x2"), "4x1-to-2x1": (2, 1, 0.0, "4x1")},
+        # make gpu-check, on 2 GPUs: NCCL, CUDA's dropout streams, a changed dp
+        "gpu": {"2x1": (2, 1, 0.0, None), "2x1-to-1x2": (1, 2, 0.0, "2x1"),
+                "2x1-dropout": (2, 1, DROPOUT, None),
+                "2x1-dropout-to-2x1": (2, 1, DROPOUT, "2x1-dropout")}}
 
 
 def even_balance(layers: int, stages: int) -> list[int]:
     return [layers // stages] * stages
 
 
+CLIP_MESHES = {4: ((4, 1), (2, 2)), 2: ((2, 1), (1, 2))}   # by the number of processes
+
+
 def run_clip(out: Path) -> None:
     inputs, target = batch()
-    for pp, dp in ((4, 1), (2, 2)):
+    for pp, dp in CLIP_MESHES[dist.get_world_size()]:
         mesh = init_mesh(pp, dp, timeout=60)
         for name in CLIP_SCHEDULES:
             for norm in NORMS:
@@ -66,8 +75,9 @@ def run_clip(out: Path) -> None:
                 pipe = DistributedPipe(model, mesh, balance, MICROBATCHES, name)
                 pipe.step(inputs, target, token_loss)
                 total = clip_grad_norm_(pipe, CLIP[norm], NORMS[norm])
-                torch.save({"norm": total.item(),
-                            "grads": {names[id(p)]: p.grad for p in pipe.parameters()}},
+                torch.save({"norm": total.item(), "backend": dist.get_backend(),
+                            "device": str(mesh.device), "current_gpu": _current_gpu(),
+                            "grads": {names[id(p)]: p.grad.cpu() for p in pipe.parameters()}},
                            out / f"{pp}x{dp}-{name}-{norm}-rank{mesh.rank}.pt")
 
 
@@ -75,14 +85,15 @@ def run_bf16(out: Path) -> None:
     """Two pipelines under autocast: the tiny LM, whose residual stream stays float32 (its
     blocks end in a LayerNorm, which autocast runs in float32), and four Linear layers,
     whose outputs autocast makes bfloat16, so that bfloat16 messages cross every link."""
-    mesh = init_mesh(4, 1, timeout=60)
+    pp = dist.get_world_size()
+    mesh = init_mesh(pp, 1, timeout=60)
     inputs, target = batch()
     torch.manual_seed(0)
-    linears = torch.nn.Sequential(*(torch.nn.Linear(SEQ, SEQ) for _ in range(4)))
+    linears = torch.nn.Sequential(*(torch.nn.Linear(SEQ, SEQ) for _ in range(pp)))
     for name, model, data, loss_fn in (
             ("lm", tiny_lm(), (inputs, target), token_loss),
             ("linear", linears, (inputs.float(), target.float()), torch.nn.functional.mse_loss)):
-        pipe = DistributedPipe(model, mesh, even_balance(len(model), 4), MICROBATCHES, "1f1b")
+        pipe = DistributedPipe(model, mesh, even_balance(len(model), pp), MICROBATCHES, "1f1b")
         seen: dict[str, list[str]] = {"sent": [], "received": []}
         send, receive = pipe.transport.send, pipe.transport.receive
 
@@ -96,7 +107,7 @@ def run_bf16(out: Path) -> None:
             return value
 
         pipe.transport.send, pipe.transport.receive = sending, receiving
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(mesh.device.type, dtype=torch.bfloat16):
             loss = pipe.step(*data, loss_fn)
         torch.save({**seen, "loss": None if loss is None else loss.item(),
                     "weights": sorted({str(p.dtype) for p in pipe.parameters()}),
@@ -107,6 +118,10 @@ def run_bf16(out: Path) -> None:
 def _dtypes(value: object) -> list[str]:
     items = value if isinstance(value, tuple) else (value,)
     return [str(t.dtype) for t in items if isinstance(t, torch.Tensor)]
+
+
+def _current_gpu() -> int | None:
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
 
 
 def step_batch(step: int, vocab: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,9 +160,12 @@ def main() -> None:
     parser.add_argument("--scenario", choices=["clip", "resume"])
     parser.add_argument("--phase", choices=sorted(RUNS), default="save")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--backend", default="gloo",
+                        help="'default': NCCL with a GPU per process, as a real run picks")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    with process_group(backend="gloo", timeout=60):
+    with process_group(backend=None if args.backend == "default" else args.backend,
+                       timeout=60):
         if args.scenario == "clip":
             run_clip(args.out)
             run_bf16(args.out)   # one launch fewer for the tests
