@@ -24,7 +24,7 @@ from launch_worker import torchrun_worker
 from pipeline_lib import Pipe, run_state
 from pipeline_lib.distributed.launch import torchrun
 from pipeline_lib.grad_clip import clip_grad_norm_
-from pipeline_lib.schedules import build, stages_per_rank
+from pipeline_lib.schedules import build
 
 GPUS = torch.cuda.device_count()
 pytestmark = [
