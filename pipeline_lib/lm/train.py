@@ -272,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
                 loss = pipe.step(inputs, targets, lm_loss)
             norm = clip_grad_norm_(pipe, args.clip) if args.clip else None
             optimizer.step()
+            if mesh.device.type == "cuda":   # time the update's kernels, not their launch
+                torch.cuda.synchronize()
             seconds = time.perf_counter() - start
             last = step == len(starts)
             if args.save and (last or (args.save_every and step % args.save_every == 0)):
