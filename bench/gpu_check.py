@@ -3,7 +3,10 @@
     python bench/gpu_check.py                  # on a CPU-only machine everything skips
     python bench/gpu_check.py --microbatches 4 --batch 32
 
-Prints every test of tests/test_gpu.py with its result (and why it skipped), then, with
+Prints a pass/fail table of every test of tests/test_gpu.py (the executors on GPUs) and
+tests/test_gpu_real_run.py (a real run on 2 GPUs: each rank on its own GPU over NCCL,
+bfloat16, global gradient clipping, checkpoints resumed on another layout, and
+`lm.train` with all of them), with the area each checks and why a test skipped; then, with
 two GPUs or more, one JSON line and a table row: `Pipe.step` of the tutorial's
 1.4-billion-parameter model split over 2 GPUs, against the same step on one GPU, as a
 fraction of the ideal speedup p·m/(m+p−1) of a fill-drain pipeline. Exits 1 if a test
@@ -44,14 +47,26 @@ class Results:
             self.outcomes[report.nodeid] = ("passed", "")
 
 
+TEST_FILES = ("test_gpu.py", "test_gpu_real_run.py")
+# what a test checks, by a word of its name (the first that matches); else "executors"
+AREAS = (("nccl", "NCCL"), ("bf16", "bf16"), ("clip", "clipping"), ("resume", "resume"),
+         ("training_program", "lm.train"))
+
+
+def area(test: str) -> str:
+    return next((name for word, name in AREAS if word in test), "executors")
+
+
 def run_gpu_tests() -> bool:
-    """Run tests/test_gpu.py in this process, print one line per test; True if none failed."""
+    """Run the GPU tests in this process, print a pass/fail table; True if none failed."""
     results = Results()
-    pytest.main([str(REPO / "tests" / "test_gpu.py"), "-q", "-p", "no:cacheprovider",
+    pytest.main([*(str(REPO / "tests" / f) for f in TEST_FILES), "-q", "-p", "no:cacheprovider",
                  "--no-header", "--no-summary"], plugins=[results])
     print(f"\nGPU tests ({torch.cuda.device_count()} GPU(s) found):")
+    print(f"  {'result':8} {'area':10} test")
     for nodeid, (outcome, why) in results.outcomes.items():
-        print(f"  {outcome:8} {nodeid.split('::')[-1]}" + (f"  ({why})" if why else ""))
+        test = nodeid.split("::")[-1]
+        print(f"  {outcome:8} {area(test):10} {test}" + (f"  ({why})" if why else ""))
     if all(outcome == "skipped" for outcome, _ in results.outcomes.values()):
         print("  every GPU test skipped: nothing on the GPU paths was checked")
     return not any(outcome == "FAILED" for outcome, _ in results.outcomes.values())

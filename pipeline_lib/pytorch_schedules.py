@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import warnings
 
+import torch
+
 from pipeline_lib.schedules import LOOPED, Action, Schedule, build, validate
 from pipeline_lib.timeline import simulate, summary
 
@@ -27,8 +29,22 @@ PYTORCH_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interlea
 _KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
 
 
+def get_schedule_ops(*args, **kwargs) -> list:
+    """PyTorch's private schedule visualiser (``get_schedule_ops`` of 2.13), called with
+    ``args``; a private API may vanish from a release, so its absence is an ImportError
+    that says which torch has it, not a bare module-not-found."""
+    try:
+        from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops as ops
+    except ImportError as exc:
+        raise ImportError(
+            f"torch.distributed.pipelining._schedule_visualizer.get_schedule_ops, a private "
+            f"PyTorch API that pipeline_lib.pytorch_schedules and notebook 06 use, is missing "
+            f"from torch {torch.__version__}: install the torch this suite is tested with, "
+            f"pip install torch==2.13.0 (see requirements.txt)") from exc
+    return ops(*args, **kwargs)
+
+
 def _pytorch_ops(name: str, ranks: int, microbatches: int, virtual_stages: int | None) -> list:
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # it warns that it is a private API
         logger = logging.getLogger("torch.distributed.pipelining.schedules")

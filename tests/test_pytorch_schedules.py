@@ -89,3 +89,12 @@ def test_looped_schedules_keep_looped_placement():
     assert pytorch_schedule("LoopedBFS", 2, 4, 3).stages == looped_bfs(2, 4, 3).stages == 6
     assert Action(5, "F", 0) in pytorch_schedule("LoopedBFS", 2, 4, 3).actions[1]
     assert set(LOOPED) < set(PYTORCH_NAMES)
+
+
+def test_a_missing_private_visualiser_names_the_torch_that_has_it(monkeypatch):
+    """PyTorch may drop a private module in any release: the error says what to install."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch.distributed.pipelining._schedule_visualizer", None)
+    with pytest.raises(ImportError, match=r"private PyTorch API.*pip install torch==2\.13\.0"):
+        pytorch_schedule("GPipe", 2, 4)

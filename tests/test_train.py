@@ -5,7 +5,8 @@ import torch
 
 from pipeline_lib.lm.data import batchify, load_wikitext2
 from pipeline_lib.lm.model import transformer_lm
-from pipeline_lib.lm.loops import evaluate, fit, lm_loss, make_step, seed_everything, train_epoch
+from pipeline_lib.lm.loops import (evaluate, fit, lm_loss, lr_at, make_step, seed_everything,
+                                   train_epoch)
 
 from conftest import MINI, needs_mini
 
@@ -122,3 +123,18 @@ def test_cpu_preset_learns_on_mini_wikitext2():
     chance = math.log(len(ds.vocab))  # loss of a uniform guess
     assert abs(losses[0] - chance) < 0.5
     assert sum(losses[-10:]) / 10 < losses[0] - 1.5
+
+
+def test_lr_warms_up_linearly_then_decays_to_the_floor():
+    peak, warmup, total = 1e-3, 4, 20
+    rates = [lr_at(step, peak, warmup, total, floor=0.1) for step in range(total)]
+    assert rates[:warmup] == pytest.approx([peak / 4, peak / 2, 3 * peak / 4, peak])
+    assert rates[warmup] == pytest.approx(peak)
+    assert all(a > b for a, b in zip(rates[warmup:], rates[warmup + 1:]))   # decays
+    assert rates[-1] == pytest.approx(0.1 * peak)
+    middle = warmup + (total - warmup - 1) / 2    # a cosine: halfway at the middle
+    assert lr_at(int(middle), peak, warmup, total) > 0.55 * peak > lr_at(int(middle) + 1, peak, warmup, total)
+
+
+def test_lr_without_warmup_starts_at_the_peak():
+    assert lr_at(0, 1e-3, 0, 10) == pytest.approx(1e-3)

@@ -8,9 +8,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from pipeline_lib import run_state
 from pipeline_lib.distributed.launch import torchrun
 from pipeline_lib.lm import train
+from pipeline_lib.lm.loops import evaluate, lm_loss
+from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.timeline import Timeline
 
 
@@ -65,3 +69,70 @@ def test_two_ranks_train_and_save_the_last_logged_timeline(tmp_path, schedule, a
     timeline = Timeline.from_dict(json.loads(target.read_text()))
     assert timeline.ranks == 2 and len(timeline.events) == actions
     assert [p.name for p in tmp_path.iterdir()] == ["timeline.json"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--timeline", "/proc/x/timeline.json"], "folder /proc/x does not exist"),
+    (["--timeline", "/proc/timeline.json"], "--timeline /proc/timeline.json: cannot write in /proc"),
+    (["--save", "/proc/run"], "--save /proc/run: cannot create the folder"),
+    (["--clip", "-1"], "--clip must be at least 0 (0 turns clipping off)"),
+])
+def test_paths_and_values_that_cannot_work_are_refused_before_training(flags, message, capsys):
+    """Even for root, whom permission bits never stop: /proc takes no new files."""
+    with pytest.raises(SystemExit):
+        train.main(flags)
+    assert message in capsys.readouterr().err
+
+
+def test_resuming_from_a_folder_without_a_checkpoint_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--resume", str(tmp_path)])
+    assert f"--resume {tmp_path}: no checkpoint there" in capsys.readouterr().err
+
+
+def test_balance_is_measured_on_the_training_device_in_its_precision(monkeypatch):
+    """Rank 0 times the layers where the job trains, under its autocast, with the loss."""
+    seen = {}
+
+    def measured(model, sample, stages, **kwargs):
+        seen.update(kwargs, autocast=torch.is_autocast_enabled("cpu"))
+        return [1, 1]
+
+    monkeypatch.setattr(train, "balance_by_time", measured)
+    monkeypatch.setattr(train.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(train.dist, "broadcast_object_list", lambda answer, src: None)
+    device = torch.device("cpu")
+    sample = (torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long))
+    assert train._balance(torch.nn.Sequential(), sample, 2, "time", device,
+                          train._precision("bf16", device)) == [1, 1]
+    assert seen["device"] == device and seen["loss_fn"] is lm_loss and seen["autocast"]
+    assert seen["target"] is sample[1]
+
+
+def test_the_log_line_counts_tokens_and_model_flops():
+    line = train._step_line(7, 2.5, 3e-4, torch.tensor(0.25), tokens=1000, seconds=0.5,
+                            parameters=10**6, peak_tflops=0.024, processes=2)
+    assert line.startswith("step     7  loss 2.500  lr 3.00e-04  grad norm 0.250  2,000 tokens/s")
+    assert line.endswith("MFU 25.0%")   # 6 x 1e6 x 1000 FLOP / 0.5 s over 2 x 24 GFLOP/s
+
+
+def test_a_run_saved_on_pp2_dp2_in_bf16_resumes_on_pp4_dp1(tmp_path):
+    """The issue's commands, tiny: the resumed run goes on from the saved step, and the
+    checkpoint loads into the plain model, whose validation loss is the one logged."""
+    common = ["--synthetic", "50", "--batch", "8", "--bptt", "8", "--chunks", "2",
+              "--balance", "params", "--log-every", "1", "--eval-steps", "2", "--timeout", "60"]
+    torchrun("pipeline_lib.lm.train", ["--pp", "2", "--dp", "2", "--clip", "0.5", "--dtype",
+                                       "bf16", "--save", tmp_path, "--steps", "2", *common],
+             nproc=4, timeout=200)
+    output = torchrun("pipeline_lib.lm.train", ["--pp", "4", "--dp", "1", "--resume", tmp_path,
+                                                "--save", tmp_path, "--steps", "3", *common],
+                      nproc=4, timeout=200)
+    assert "resumed after step 2" in output
+    assert [line.split()[1] for line in output.splitlines() if line.startswith("step")] == ["3"]
+    valid = next(line for line in output.splitlines() if line.startswith("valid loss"))
+    args = train._parse_args(["--steps", "3", *common])
+    _, valid_tokens, vocab = train._tokens(args, rank=0)
+    model = transformer_lm(vocab, "cpu")
+    model.load_state_dict(run_state.merged_state_dict(tmp_path))
+    loss, _ = evaluate(model, valid_tokens, 8, max_steps=2)
+    assert valid.split()[2] == f"{loss:.3f}"

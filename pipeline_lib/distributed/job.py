@@ -32,7 +32,7 @@ from typing import Iterator, NoReturn
 
 import torch.distributed as dist
 
-from pipeline_lib.distributed.launch import backend_for, worker_device
+from pipeline_lib.distributed.launch import backend_for, rank_device, worker_device
 
 
 class RankLost(RuntimeError):
@@ -141,7 +141,10 @@ class _Board:
 def process_group(backend: str | None = None, timeout: float = 300.0) -> Iterator[None]:
     """Join the process group torchrun set up (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
     ...) for the block, then leave it once every rank has finished. The backend is NCCL
-    if every worker on this machine has a GPU (`launch.worker_device`), else gloo.
+    if every worker on this machine has a GPU (`launch.worker_device`), else gloo. Before
+    the group exists, this rank's GPU (``cuda:LOCAL_RANK``) is made the current device
+    whatever the backend (`launch.rank_device`), so NCCL's communicators and every
+    ``"cuda"`` tensor land on the rank's own GPU.
 
     If the block raises on any rank, that rank prints and publishes why and exits with
     status 1, and every other rank stops (see the module docstring). ``timeout`` bounds
@@ -153,6 +156,7 @@ def process_group(backend: str | None = None, timeout: float = 300.0) -> Iterato
         raise RuntimeError(f"environment variables {missing} are not set: start this "
                            f"program with torchrun, e.g. torchrun --nproc_per_node 2 ...")
     backend = backend or backend_for(worker_device())
+    rank_device(backend)   # pin this rank's GPU now: NCCL binds to the current device
     wait = timedelta(seconds=timeout)
     store, rank, world_size = next(dist.rendezvous("env://", timeout=wait))
     dist.init_process_group(backend, store=dist.PrefixStore("pipeline_lib/pg", store),

@@ -103,8 +103,8 @@ def _descendants(pid: int) -> list[int]:
 
 
 def worker_device() -> torch.device:
-    """Inside a torchrun worker: its own GPU when every worker on this machine can have
-    one, else the CPU. Pair it with the matching backend: NCCL for GPUs, gloo for CPUs."""
+    """Inside a torchrun worker: its own GPU (``cuda:LOCAL_RANK``, made the current one)
+    when every worker on this machine can have one, else the CPU."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if torch.cuda.device_count() >= local_workers:
@@ -115,3 +115,23 @@ def worker_device() -> torch.device:
 
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(backend: str) -> torch.device:
+    """The device this rank computes and communicates on under ``backend``.
+
+    Its GPU is pinned whatever the backend (`worker_device`): CUDA's current device is
+    0 in every process until someone sets it, so without the pin every rank's "cuda"
+    would be GPU 0, and NCCL would refuse the duplicate GPU or the ranks would share it.
+    NCCL moves GPU tensors only, so it needs a GPU per worker; gloo moves CPU tensors.
+    """
+    device = worker_device()
+    if backend != "nccl":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise RuntimeError(
+            f"backend 'nccl' needs one GPU per worker on this machine: there are "
+            f"{os.environ.get('LOCAL_WORLD_SIZE', 1)} workers and "
+            f"{torch.cuda.device_count()} GPU(s); start fewer workers per machine "
+            f"(--nproc_per_node), or use backend 'gloo' (the default without GPUs)")
+    return device

@@ -13,7 +13,8 @@ pipeline's point-to-point traffic (every micro-batch, both ways) stays inside on
 and only data parallelism's gradient all-reduce (once per step) crosses nodes. The
 ranks holding the same stages (a column above) form a data-parallel group; each pair of
 pipeline neighbours gets one 2-rank group per direction (see `pipeline_lib.distributed`
-for why).
+for why). The ranks of one pipeline (a row) form a pipeline group, for the few collectives
+a pipeline needs as a whole (the global gradient norm, `pipeline_lib.grad_clip`).
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from pipeline_lib.distributed.launch import rank_device
 
 
 def check_same_everywhere(what: str, config: dict[str, Any]) -> None:
@@ -50,6 +53,7 @@ class Mesh:
     device: torch.device
     timeout: float                               # seconds any single wait may take
     dp_group: dist.ProcessGroup | None           # same stages, other replicas; None if dp = 1
+    pipe_group: dist.ProcessGroup | None         # this replica's pipeline; None if pp = 1
     links: dict[tuple[int, int], dist.ProcessGroup]  # (src, dst) pipe ranks -> 2-rank group
     clock_zero: float
 
@@ -99,8 +103,13 @@ def init_mesh(pp: int, dp: int = 1, timeout: float = 300.0) -> Mesh:
             group = dist.new_group([d * pp + p for d in range(dp)], timeout=wait)
             if p == pipe_rank:
                 dp_group = group
-    device = (torch.device("cuda", torch.cuda.current_device())
-              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    pipe_group = None
+    if pp > 1:
+        for d in range(dp):
+            group = dist.new_group([d * pp + p for p in range(pp)], timeout=wait)
+            if d == replica:
+                pipe_group = group
+    device = rank_device(dist.get_backend())
     links = {}
     for d in range(dp):
         for src, dst in _neighbour_pairs(pp):
@@ -109,7 +118,7 @@ def init_mesh(pp: int, dp: int = 1, timeout: float = 300.0) -> Mesh:
                 links[(src, dst)] = group
     _connect(links, replica * pp, pipe_rank, device)
     dist.barrier()
-    return Mesh(pp, dp, rank, replica, pipe_rank, device, timeout, dp_group, links,
+    return Mesh(pp, dp, rank, replica, pipe_rank, device, timeout, dp_group, pipe_group, links,
                 clock_zero=time.perf_counter())
 
 

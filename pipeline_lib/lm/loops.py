@@ -82,6 +82,23 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def lr_at(step: int, peak: float, warmup: int, total: int, floor: float = 0.1) -> float:
+    """The learning rate of step ``step`` (counted from 0) of ``total``: a linear warmup
+    from ``peak / warmup`` to ``peak`` over the first ``warmup`` steps, then a cosine
+    decay to ``floor * peak`` at the last step.
+
+    The warmup lets AdamW's moment estimates settle before the steps get large (its first
+    updates have size ~lr whatever the gradient); the decay lets the loss settle into a
+    minimum instead of bouncing around it at the peak rate. A pure function of the step,
+    so a resumed run needs no scheduler state to go on where it stopped.
+    """
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    decaying = max(total - warmup - 1, 1)
+    progress = min((step - warmup) / decaying, 1.0)
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
 def batch_starts(source: torch.Tensor, bptt: int, max_steps: int | None) -> range:
     if max_steps is not None and max_steps < 1:
         raise ValueError(f"max_steps must be >= 1 (or None for the whole split), got {max_steps}.")

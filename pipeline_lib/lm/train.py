@@ -4,25 +4,41 @@
 
 Every rank runs this same program; `pipeline_lib.distributed.DistributedPipe` decides
 which stages it holds. The loops it shares with single-process training live in
-`pipeline_lib.lm.loops`.
+`pipeline_lib.lm.loops`. What a real run needs on top of the lesson:
+
+* the stages balanced by layer times measured on the device the job trains on, in its
+  precision (``--dtype bf16``: autocast, weights float32, activations bfloat16);
+* the whole model's gradient norm clipped (``--clip``, `pipeline_lib.grad_clip`);
+* a learning-rate warmup and cosine decay (`loops.lr_at`);
+* the validation loss, token-weighted, every ``--eval-every`` steps;
+* tokens/s and, given the hardware's peak (``--peak-tflops``), the model FLOPs
+  utilisation, 6 x parameters x tokens per second over the peak of every process;
+* checkpoints (``--save``, ``--resume``, `pipeline_lib.run_state`) that resume on another
+  ``--pp``/``--dp``.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm.auto import tqdm
 
+from pipeline_lib import run_state
 from pipeline_lib.distributed import DistributedPipe, init_mesh, process_group
+from pipeline_lib.grad_clip import clip_grad_norm_
 from pipeline_lib.lm.data import batchify, get_batch, load_wikitext2
-from pipeline_lib.lm.loops import batch_starts, lm_loss, seed_everything
+from pipeline_lib.lm.loops import batch_starts, lm_loss, lr_at, seed_everything
 from pipeline_lib.lm.model import transformer_lm
+from pipeline_lib.lm.pipeline_eval import evaluate_pipeline
 from pipeline_lib.partition import balance_by_params, balance_by_time
 from pipeline_lib.schedules import BUILDERS, stages_per_rank
 from pipeline_lib.timeline import simulate_measured
@@ -36,6 +52,28 @@ def _at_least_one(fix: str) -> Callable[[str], int]:
                                              f"{text!r}: {fix}")
         return int(text)
     return parse
+
+
+def _at_least_zero(what: str) -> Callable[[str], int]:
+    """An argparse type: a whole number >= 0, 0 meaning ``what``."""
+    def parse(text: str) -> int:
+        if not text.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}: 0 "
+                                             f"{what}")
+        return int(text)
+    return parse
+
+
+def _writable_folder(parser: argparse.ArgumentParser, flag: str, folder: Path) -> None:
+    """Fail now, not after minutes of training, if nothing can be written in ``folder``:
+    by writing a file there (permission bits do not tell: root passes every check, and
+    /proc refuses new files to root too)."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        parser.error(f"{flag}: cannot write in {folder} ({exc.strerror or exc}); choose a "
+                     f"path in a folder you can write to")
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,7 +96,17 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="sequence length")
     parser.add_argument("--steps", type=_at_least_one("train for at least one step"),
                         default=100)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    parser.add_argument("--warmup", type=_at_least_zero("starts at the peak rate"),
+                        default=10, help="steps of linear learning-rate warmup")
+    parser.add_argument("--lr-floor", type=float, default=0.1, help="the cosine decay ends "
+                        "at this fraction of --lr at the last step")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="bf16: autocast to bfloat16 (weights and optimizer stay float32; "
+                        "activations, and the messages between stages, are bfloat16)")
+    parser.add_argument("--clip", type=float, default=0.5, metavar="MAX_NORM",
+                        help="clip the whole model's gradient norm (summed over the pipeline's "
+                        "ranks) to MAX_NORM, as the seed tutorials do; 0 turns clipping off")
     parser.add_argument("--preset", default="cpu", help="pipeline_lib.lm.model.PRESETS")
     parser.add_argument("--balance", choices=["time", "params"], default="time",
                         help="split stages by measured time or by parameter count")
@@ -70,10 +118,26 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="save the last logged step's timeline here (JSON)")
     parser.add_argument("--log-every", default=10, type=_at_least_one(
         "1 logs every step; a number above --steps logs only the last one"))
+    parser.add_argument("--eval-every", default=50, type=_at_least_zero(
+        "evaluates only after the last step"), help="steps between validation losses")
+    parser.add_argument("--eval-steps", default=20, type=_at_least_one(
+        "1 evaluates on one batch"), help="validation batches per evaluation")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the peak TFLOP/s of one process's device in --dtype (e.g. 989 "
+                        "for an H100's bf16): logs the model FLOPs utilisation (MFU)")
+    parser.add_argument("--save", type=Path, default=None, metavar="DIR",
+                        help="save a checkpoint into DIR after the last step (and every "
+                        "--save-every steps); it resumes on any --pp/--dp")
+    parser.add_argument("--save-every", default=0, type=_at_least_zero(
+        "saves after the last step only"))
+    parser.add_argument("--resume", type=Path, default=None, metavar="DIR",
+                        help="go on from the newest checkpoint in DIR, up to --steps in all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds any single wait may take before it is an error")
     args = parser.parse_args(argv)
+    if args.clip < 0:
+        parser.error(f"--clip must be at least 0 (0 turns clipping off), not {args.clip:g}")
     if args.timeline:   # fail now, not at the first log step after minutes of training
         folder = Path(args.timeline).absolute().parent
         if Path(args.timeline).is_dir():
@@ -82,19 +146,31 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         if not folder.is_dir():
             parser.error(f"--timeline {args.timeline}: folder {folder} does not exist; "
                          f"create it (mkdir -p {folder}) or choose another path")
-        if not os.access(folder, os.W_OK):
-            parser.error(f"--timeline {args.timeline}: cannot write in {folder}; choose a "
-                         f"path in a folder you can write to")
+        _writable_folder(parser, f"--timeline {args.timeline}", folder)
+    if args.save:
+        try:
+            args.save.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"--save {args.save}: cannot create the folder ({exc.strerror or exc})"
+                         f"; choose a path in a folder you can write to")
+        _writable_folder(parser, f"--save {args.save}", args.save)
+    if args.resume and not (args.resume / run_state.LATEST).is_file():
+        parser.error(f"--resume {args.resume}: no checkpoint there ({run_state.LATEST} is "
+                     f"missing); give the folder of an earlier run's --save")
     return args
 
 
-def _training_tokens(args: argparse.Namespace, rank: int) -> tuple[torch.Tensor, int]:
-    """``[batch, n]`` token ids, the same on every rank, and the vocabulary size."""
+def _tokens(args: argparse.Namespace, rank: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``[batch, n]`` training and validation token ids, the same on every rank, and the
+    vocabulary size."""
     if args.synthetic is not None:
-        g = torch.Generator().manual_seed(args.seed)
-        tokens = torch.randint(0, args.synthetic, (args.batch * (args.steps * args.bptt + 1),),
-                               generator=g)
-        return batchify(tokens, args.batch), args.synthetic
+        # drawn column by column, so step k's batch does not depend on --steps: a run
+        # resumed with more steps goes on through the same data
+        train, valid = (torch.randint(0, args.synthetic, (steps * args.bptt + 1, args.batch),
+                                      generator=torch.Generator().manual_seed(seed)).T
+                        for steps, seed in ((args.steps, args.seed), (args.eval_steps,
+                                                                      args.seed + 1)))
+        return train.contiguous(), valid.contiguous(), args.synthetic
     if rank != 0:   # rank 0 downloads first, the others then read its copy
         try:
             dist.barrier()
@@ -107,14 +183,34 @@ def _training_tokens(args: argparse.Namespace, rank: int) -> tuple[torch.Tensor,
     data = load_wikitext2()
     if rank == 0:
         dist.barrier()
-    return batchify(data.train, args.batch), len(data.vocab)
+    return batchify(data.train, args.batch), batchify(data.valid, args.batch), len(data.vocab)
 
 
-def _balance(model: nn.Module, sample: torch.Tensor, stages: int, by: str) -> list[int]:
-    """Timing is noisy, so rank 0 measures and every rank uses its answer."""
+Precision = Callable[[], ContextManager[Any]]
+
+
+def _precision(dtype: str, device: torch.device) -> Precision:
+    """What each forward (and the backward it records) runs under: autocast to bfloat16
+    for ``bf16``, on GPUs and CPUs alike. The weights stay float32: autocast runs matmuls
+    on bfloat16 copies, and the optimizer updates the float32 masters."""
+    if dtype == "fp32":
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def _balance(model: nn.Module, sample: tuple[torch.Tensor, torch.Tensor], stages: int,
+             by: str, device: torch.device, precision: Precision) -> list[int]:
+    """Timing is noisy, so rank 0 measures and every rank uses its answer. It measures on
+    its own device, in the run's precision, with the loss on the last layer: layer times
+    on a CPU say little about a GPU's, where the output layer and the loss dominate."""
     if by == "params":
         return balance_by_params(model, stages)
-    answer = [balance_by_time(model, sample, stages) if dist.get_rank() == 0 else None]
+    answer = [None]
+    if dist.get_rank() == 0:
+        inputs, target = sample
+        with precision():
+            answer = [balance_by_time(model, inputs, stages, device=device, loss_fn=lm_loss,
+                                      target=target)]
     dist.broadcast_object_list(answer, src=0)
     return answer[0]
 
@@ -130,46 +226,90 @@ def _write_atomically(path: Path, text: str) -> None:
         partial.unlink(missing_ok=True)
 
 
+def _log(line: str) -> None:
+    tqdm.write(line)   # above the progress bar, not through it
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
     with process_group(timeout=args.timeout):
         mesh = init_mesh(args.pp, args.dp, args.timeout)
-        source, vocab = _training_tokens(args, mesh.rank)
+        source, valid, vocab = _tokens(args, mesh.rank)
         seed_everything(args.seed)
         model = transformer_lm(vocab, args.preset)
+        parameters = sum(p.numel() for p in model.parameters())
         stages = args.pp * stages_per_rank(args.schedule, args.virtual_stages)
-        sample = get_batch(source, 0, args.bptt)[0][:max(1, args.batch // (args.dp * args.chunks))]
-        balance = _balance(model, sample, stages, args.balance)
+        precision = _precision(args.dtype, mesh.device)
+        rows = max(1, args.batch // (args.dp * args.chunks))   # one micro-batch
+        sample = tuple(t[:rows] for t in get_batch(source, 0, args.bptt))
+        balance = _balance(model, sample, stages, args.balance, mesh.device, precision)
         pipe = DistributedPipe(model, mesh, balance, args.chunks, args.schedule, args.checkpoint)
         del model   # this rank keeps only its stages
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
+        done = run_state.resume(args.resume, pipe, balance, optimizer) if args.resume else 0
         # replica 0's rank holding the last stage has the loss: the last rank on a looped
         # schedule, rank 0 on a V (zb_v, dualpipe_v)
         logger = pipe.schedule.rank_of(pipe.schedule.stages - 1)
-        if mesh.rank == logger:
-            print(f"{pipe.schedule.name}: {args.pp} pipeline ranks x {args.dp} replicas, "
-                  f"stages {balance} (by {args.balance}), {args.chunks} micro-batches",
-                  flush=True)
         starts = batch_starts(source, args.bptt, args.steps)
-        for step, i in enumerate(starts, 1):
-            inputs, targets = get_batch(source, i, args.bptt)
+        if done >= len(starts):
+            raise ValueError(f"the checkpoint in {args.resume} has run {done} steps already, "
+                             f"and this run has {len(starts)}: raise --steps to go on")
+        if mesh.rank == logger:
+            _log(f"{pipe.schedule.name}: {args.pp} pipeline ranks x {args.dp} replicas, "
+                 f"stages {balance} (by {args.balance} on {mesh.device}), {args.chunks} "
+                 f"micro-batches, {args.dtype}, {parameters:,} parameters"
+                 + (f", resumed after step {done}" if args.resume else ""))
+        bar = tqdm(range(done, len(starts)), desc="train", initial=done, total=len(starts),
+                   disable=mesh.rank != logger)
+        for step in (i + 1 for i in bar):
+            lr = lr_at(step - 1, args.lr, args.warmup, len(starts), args.lr_floor)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            inputs, targets = get_batch(source, starts[step - 1], args.bptt)
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            loss = pipe.step(inputs, targets, lm_loss)
+            with precision():
+                loss = pipe.step(inputs, targets, lm_loss)
+            norm = clip_grad_norm_(pipe, args.clip) if args.clip else None
             optimizer.step()
+            if mesh.device.type == "cuda":   # time the update's kernels, not their launch
+                torch.cuda.synchronize()
             seconds = time.perf_counter() - start
-            if step % args.log_every and step != len(starts):
+            last = step == len(starts)
+            if args.save and (last or (args.save_every and step % args.save_every == 0)):
+                run_state.save(args.save, step, pipe, balance, optimizer)
+            if last or (args.eval_every and step % args.eval_every == 0):
+                valid_loss, valid_ppl = evaluate_pipeline(pipe, valid, args.bptt,
+                                                          max_steps=args.eval_steps,
+                                                          precision=precision)
+                if mesh.rank == logger:
+                    _log(f"valid loss {valid_loss:.3f}  ppl {valid_ppl:,.1f}  after step {step}")
+            if step % args.log_every and not last:
                 continue
             timeline = pipe.gather_timeline(dst=logger)
             if timeline is None:
                 continue
-            simulated = simulate_measured(pipe.schedule, timeline)
-            print(f"step {step:>5}  loss {loss.item():.3f}  "
-                  f"{targets.numel() / seconds:,.0f} tokens/s  bubble "
-                  f"{timeline.bubble_fraction():.1%} measured, "
-                  f"{simulated.bubble_fraction():.1%} simulated", flush=True)
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            _log(_step_line(step, loss.item(), lr, norm, targets.numel(), seconds, parameters,
+                            args.peak_tflops, mesh.pp * mesh.dp)
+                 + f"  bubble {timeline.bubble_fraction():.1%} measured, "
+                 f"{simulate_measured(pipe.schedule, timeline).bubble_fraction():.1%} simulated")
             if args.timeline:
                 _write_atomically(Path(args.timeline), json.dumps(timeline.to_dict()))
+
+
+def _step_line(step: int, loss: float, lr: float, norm: torch.Tensor | None, tokens: int,
+               seconds: float, parameters: int, peak_tflops: float | None,
+               processes: int) -> str:
+    """One step's log: the model FLOPs utilisation counts 6 FLOPs per parameter and token
+    (2 forward, 4 backward; attention's own FLOPs left out), over every process's peak."""
+    line = f"step {step:>5}  loss {loss:.3f}  lr {lr:.2e}"
+    if norm is not None:
+        line += f"  grad norm {norm.item():.3f}"
+    line += f"  {tokens / seconds:,.0f} tokens/s"
+    if peak_tflops:
+        line += f"  MFU {6 * parameters * tokens / seconds / (peak_tflops * 1e12 * processes):.1%}"
+    return line
 
 
 if __name__ == "__main__":

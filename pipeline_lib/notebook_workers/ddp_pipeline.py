@@ -36,7 +36,6 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline_lib.distributed.pipe import DistributedPipe
-from pipeline_lib.distributed.launch import backend_for, worker_device
 from pipeline_lib.distributed.job import process_group
 from pipeline_lib.distributed.mesh import Mesh, init_mesh
 from pipeline_lib.lm.model import transformer_lm
@@ -290,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="seconds any single wait may take before it is an error")
     args = parser.parse_args(argv)
     setup = Setup(**torch.load(args.workdir / "setup.pt"))
-    with process_group(backend_for(worker_device()), timeout=args.timeout):
+    with process_group(timeout=args.timeout):
         mesh = init_mesh(setup.pp, setup.dp, args.timeout)
         results.start_run(args.workdir, RESULTS)
         record = train_and_record(setup, mesh)

@@ -1,0 +1,54 @@
+"""Clip the gradient norm of a whole pipelined model, as `torch.nn.utils.clip_grad_norm_`
+clips an unpipelined one.
+
+The norm that matters is the whole model's. A `Pipe` holds every stage in one process, so
+its norm is PyTorch's over ``pipe.parameters()``. A `DistributedPipe` rank holds only its
+own stages (two on a V schedule), and clipping each rank by its own part's norm would scale
+the stages differently: a different update direction from the unpipelined model's. So each
+rank sums its stages' ``|g|^p`` and the ranks of its pipeline all-reduce the sums
+(torchtitan and Megatron do the same over their pipeline groups); for the inf-norm they
+take the maximum. Replicas need no share in it: by the time `DistributedPipe.step`
+returns, DDP has averaged the gradients over them, so every replica finds the same norm.
+This relies on each parameter living on one rank: `DistributedPipe` refuses weights tied
+across ranks, which would otherwise be counted once per rank holding them.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from pipeline_lib.distributed.pipe import DistributedPipe
+
+
+def clip_grad_norm_(model: nn.Module | DistributedPipe, max_norm: float,
+                    norm_type: float = 2.0) -> Tensor:
+    """Scale the gradients of ``model`` (a `Pipe`, any module, or this rank's share of a
+    `DistributedPipe`, on every rank of the job) so that the whole model's gradient norm is
+    at most ``max_norm``; return that norm before clipping, as a float32 tensor. Call it
+    after the step's backward (``pipe.step``) and before ``optimizer.step()``."""
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be positive, got {max_norm}: the seeds' recipe uses 0.5")
+    if not (norm_type == math.inf or norm_type >= 1):
+        raise ValueError(f"norm_type must be at least 1 or math.inf, got {norm_type}")
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    group = model.mesh.pipe_group if isinstance(model, DistributedPipe) else None
+    device = model.mesh.device if isinstance(model, DistributedPipe) else (
+        grads[0].device if grads else torch.device("cpu"))
+    local = (torch.nn.utils.get_total_norm(grads, norm_type).to(device, torch.float64)
+             if grads else torch.zeros((), dtype=torch.float64, device=device))
+    if group is None:
+        total = local
+    elif norm_type == math.inf:
+        total = local.clone()
+        dist.all_reduce(total, dist.ReduceOp.MAX, group=group)
+    else:
+        total = local ** norm_type
+        dist.all_reduce(total, group=group)
+        total = total ** (1.0 / norm_type)
+    total = total.float()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total

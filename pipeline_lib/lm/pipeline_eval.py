@@ -1,0 +1,76 @@
+"""Evaluate the model a `DistributedPipe` holds, across its ranks, without a backward.
+
+Evaluation has no backward to overlap with, so nothing is gained by pipelining it: each
+batch runs stage after stage, every stage on its rank, the activation travelling whole
+(as a pickled CPU tensor: evaluation is rare, so this favours plain code over speed).
+Each replica takes its rows of the batch; the loss is token-weighted as in
+`pipeline_lib.lm.loops.evaluate`: summed over every target token of every batch, then
+divided by their count.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, ContextManager, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from pipeline_lib.devices import transfer
+from pipeline_lib.distributed.pipe import DistributedPipe
+from pipeline_lib.lm.data import get_batch
+from pipeline_lib.lm.loops import batch_starts, lm_loss
+
+
+def _forward_stages(pipe: DistributedPipe, stages: dict[int, nn.Module], inputs: Tensor) -> Any:
+    """Run this rank's stages of one batch in stage order, receiving each stage's input
+    from the rank before it and sending its output on; the last stage's output on its
+    rank, None elsewhere."""
+    mesh, schedule = pipe.mesh, pipe.schedule
+    mine = [s for s in range(schedule.stages) if s in stages]
+    x: Any = inputs
+    for s in mine:
+        if s > 0 and s - 1 not in stages:
+            received = [None]
+            dist.recv_object_list(received, src=mesh.global_rank(schedule.rank_of(s - 1)))
+            x = received[0]
+        x = stages[s](transfer(x, mesh.device))
+        if s < schedule.stages - 1 and s + 1 not in stages:
+            dist.send_object_list([transfer(x, torch.device("cpu"))],
+                                  dst=mesh.global_rank(schedule.rank_of(s + 1)))
+    return x if schedule.stages - 1 in stages else None
+
+
+@torch.no_grad()
+def evaluate_pipeline(pipe: DistributedPipe, source: Tensor, bptt: int, *,
+                      max_steps: int | None = None,
+                      precision: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+                      ) -> tuple[float, float]:
+    """Mean next-token loss over every target token of ``source`` (``[B, N]`` from
+    ``batchify``, the same on every rank) and its perplexity, on every rank; every rank
+    must call it. ``precision`` makes the context each forward runs in (an autocast)."""
+    mesh = pipe.mesh
+    stages = {s: m.module if isinstance(m, DistributedDataParallel) else m
+              for s, m in pipe.modules.items()}
+    modes = {s: m.training for s, m in stages.items()}
+    for m in stages.values():
+        m.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=mesh.device)  # [loss sum, tokens]
+    try:
+        for i in batch_starts(source, bptt, max_steps):
+            inputs, targets = get_batch(source, i, bptt)
+            rows = torch.tensor_split(torch.arange(inputs.size(0)), mesh.dp)[mesh.replica]
+            with precision():
+                logits = _forward_stages(pipe, stages, inputs[rows])
+                if logits is not None:
+                    mine = targets[rows].to(mesh.device)
+                    totals[0] += lm_loss(logits, mine, reduction="sum").double()
+                    totals[1] += mine.numel()
+    finally:
+        for s, m in stages.items():
+            m.train(modes[s])
+    dist.all_reduce(totals)   # only the replicas' last-stage ranks added anything
+    mean = (totals[0] / totals[1]).item()
+    return mean, math.exp(mean)

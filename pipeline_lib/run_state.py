@@ -1,0 +1,184 @@
+"""Checkpoints of a multi-process pipelined run that outlive its layout.
+
+A checkpoint is keyed by the *unpipelined* model's names (``"3.attn.in_proj_weight"``, the
+keys of ``transformer_lm(...).state_dict()``), never by stage or rank: so the run can go on
+with another ``pp``, ``dp``, balance or schedule, and `merged_state_dict` is the plain
+model's state dict. On disk::
+
+    DIR/latest                      the name of the newest complete step folder
+    DIR/step-000100/stage-3.pt      stage 3's weights and its parameters' optimizer state
+    DIR/step-000100/run.pt          the step, the random state, optimizer settings
+
+Each stage's file is written by replica 0's rank holding it (the replicas hold equal
+copies), through a temporary file and ``os.replace``; ``latest`` moves to the new folder
+only after every rank has written, so a run killed mid-save resumes from the last
+complete checkpoint, never from a mix of two steps.
+
+Resuming continues *exactly* (same losses, bit for bit) when the arithmetic of a step does
+not depend on the layout: the same replica count (``dp``), micro-batches per replica and no
+dropout; the pipeline size and balance may change. Dropout masks are drawn per (stage,
+micro-batch) (`pipeline_lib.rng`), so they follow the layout: with dropout, a resume is
+exact on the same layout only. A changed ``dp`` averages the replicas' gradients in
+another order: equal within float rounding.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from pipeline_lib.distributed.pipe import DistributedPipe
+
+LATEST = "latest"
+RUN = "run.pt"
+
+
+def _stage_file(stage: int) -> str:
+    return f"stage-{stage}.pt"
+
+
+def full_names(pipe: DistributedPipe, balance: Sequence[int]) -> dict[int, dict[str, str]]:
+    """Per stage this rank holds, its state-dict keys -> the unpipelined model's: stage
+    ``s`` holds layers ``sum(balance[:s])`` onwards, its own layer ``j`` being the
+    model's layer ``sum(balance[:s]) + j``."""
+    starts = list(itertools.accumulate(balance, initial=0))
+    names = {}
+    for s, module in pipe.modules.items():
+        keys = _unwrapped(module).state_dict().keys()
+        names[s] = {key: _shifted(key, starts[s]) for key in keys}
+    return names
+
+
+def _shifted(key: str, start: int) -> str:
+    layer, _, rest = key.partition(".")
+    return f"{start + int(layer)}.{rest}"
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def _write_atomically(obj: Any, path: Path) -> None:
+    partial = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        torch.save(obj, partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _param_names(pipe: DistributedPipe, balance: Sequence[int]) -> dict[int, str]:
+    """id(parameter) -> its unpipelined name, for this rank's parameters."""
+    names = full_names(pipe, balance)
+    return {id(p): names[s][local] for s, module in pipe.modules.items()
+            for local, p in _unwrapped(module).named_parameters()}
+
+
+def save(folder: str | Path, step: int, pipe: DistributedPipe, balance: Sequence[int],
+         optimizer: torch.optim.Optimizer) -> Path:
+    """Save the run after ``step`` optimizer steps into ``folder``; every rank must call it.
+    Returns the step's folder."""
+    folder = Path(folder)
+    target = folder / f"step-{step:06d}"
+    mesh = pipe.mesh
+    if mesh.rank == 0:
+        target.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    if mesh.replica == 0:
+        names = full_names(pipe, balance)
+        by_id = _param_names(pipe, balance)
+        state = optimizer.state
+        for s, module in pipe.modules.items():
+            weights = {names[s][k]: t.detach().cpu()
+                       for k, t in _unwrapped(module).state_dict().items()}
+            moments = {by_id[id(p)]: {k: v.detach().cpu() if isinstance(v, Tensor) else v
+                                      for k, v in state[p].items()}
+                       for p in _unwrapped(module).parameters() if p in state}
+            _write_atomically({"weights": weights, "optimizer": moments},
+                              target / _stage_file(s))
+    if mesh.rank == 0:
+        groups = [{k: v for k, v in g.items() if k != "params"}
+                  for g in optimizer.param_groups]
+        _write_atomically({"step": step, "rng": torch.get_rng_state(), "groups": groups,
+                           "stages": pipe.schedule.stages}, target / RUN)
+    dist.barrier()   # every stage written: only now may `latest` point here
+    if mesh.rank == 0:
+        previous = _latest(folder, missing_ok=True)
+        latest = folder / f".{LATEST}.part"
+        latest.write_text(target.name)
+        os.replace(latest, folder / LATEST)
+        if previous is not None and previous != target:
+            for old in previous.iterdir():
+                old.unlink()
+            previous.rmdir()
+    return target
+
+
+def _latest(folder: Path, missing_ok: bool = False) -> Path | None:
+    marker = folder / LATEST
+    if not marker.is_file():
+        if missing_ok:
+            return None
+        raise FileNotFoundError(f"{folder} holds no checkpoint ({marker} is missing): give "
+                                f"the folder a run saved into with --save")
+    return folder / marker.read_text().strip()
+
+
+def _read(folder: str | Path) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, dict]]:
+    """The newest checkpoint in ``folder``: its run record, every stage's weights and every
+    parameter's optimizer state, by unpipelined names."""
+    step_folder = _latest(Path(folder))
+    run = torch.load(step_folder / RUN, weights_only=True)
+    weights: dict[str, Tensor] = {}
+    moments: dict[str, dict] = {}
+    for s in range(run["stages"]):
+        part = torch.load(step_folder / _stage_file(s), weights_only=True, mmap=True)
+        weights.update(part["weights"])
+        moments.update(part["optimizer"])
+    return run, weights, moments
+
+
+def merged_state_dict(folder: str | Path) -> dict[str, Tensor]:
+    """The newest checkpoint in ``folder`` as the unpipelined model's state dict:
+    ``transformer_lm(...).load_state_dict(merged_state_dict(DIR))``."""
+    return _read(folder)[1]
+
+
+def resume(folder: str | Path, pipe: DistributedPipe, balance: Sequence[int],
+           optimizer: torch.optim.Optimizer) -> int:
+    """Load the newest checkpoint in ``folder`` into this rank's stages, its optimizer and
+    the random generator; return the number of steps it had run. The layout (pp, dp,
+    balance, schedule) may differ from the saved run's; the model may not."""
+    run, weights, moments = _read(folder)
+    names = full_names(pipe, balance)
+    for s, module in pipe.modules.items():
+        wanted = names[s]
+        missing = [full for full in wanted.values() if full not in weights]
+        if missing:
+            raise ValueError(f"the checkpoint in {folder} has no {missing[:3]}"
+                             f"{' ...' if len(missing) > 3 else ''}: it was saved from "
+                             f"another model; resume with the same --preset and data")
+        _unwrapped(module).load_state_dict({local: weights[full]
+                                            for local, full in wanted.items()})
+    by_id = _param_names(pipe, balance)
+    if len(run["groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"the checkpoint's optimizer had {len(run['groups'])} parameter "
+                         f"groups, this one has {len(optimizer.param_groups)}")
+    state, groups, index = {}, [], 0
+    for saved, group in zip(run["groups"], optimizer.param_groups):
+        indices = []
+        for p in group["params"]:
+            if by_id[id(p)] in moments:
+                state[index] = moments[by_id[id(p)]]
+            indices.append(index)
+            index += 1
+        groups.append({**saved, "params": indices})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    torch.set_rng_state(run["rng"])
+    return run["step"]
