@@ -40,16 +40,16 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()
 
 def verify_skippables(module: nn.Sequential) -> dict[SkipKey, tuple[int, int]]:
     """`pipeline_lib.verify_skips`, first refusing a layer that declares a name both to
-    stash and to pop (the classic checker's message: "declared 'foo' both as stashable
-    and as poppable")."""
+    stash and to pop, with the classic checker's message ("'0' declared 'foo' both as
+    stashable and as poppable", naming the layer by its path in ``module``)."""
     problems = []
     for name, layer in module.named_children():
         for path, sub in layer.named_modules(prefix=name):
             if isinstance(sub, Skippable):
                 for both in sorted(set(sub.stashes) & set(sub.pops)):
-                    problems.append(f"layer {path} ({type(sub).__name__}) declared "
-                                    f"{both!r} both as stashable and as poppable; a layer "
-                                    f"cannot pop what it stashes: split it in two layers")
+                    problems.append(f"'{path}' declared '{both}' both as stashable and "
+                                    f"as poppable ({type(sub).__name__}); a layer cannot "
+                                    f"pop what it stashes: split it in two layers")
     if problems:
         raise SkipError("skip connections do not pair up:\n  " + "\n  ".join(problems))
     return skip.verify_skips(module)
