@@ -29,7 +29,8 @@ from torch import Tensor, nn
 
 from pipeline_lib import batchnorm
 from pipeline_lib.checkpoint import check_mode, is_recomputing
-from pipeline_lib.devices import WithDevice, indexed
+from pipeline_lib.devices import WithDevice, indexed, transfer
+from pipeline_lib.microbatch import gather
 from pipeline_lib.partition import group_layers
 from pipeline_lib.sync import microbatch
 from pipeline_lib.sync.batchnorm import DeferredBatchNorm
@@ -224,7 +225,10 @@ class Pipe(threaded.Pipe):
         last.record = []
         try:
             with self._microbatches(len(batches)):
-                output = super().forward(batches)
+                if _run_by_data_parallel(self):
+                    output = self._forward_in_one_graph(batches)
+                else:
+                    output = super().forward(batches)
             if isinstance(output, tuple):   # non-tensors: the list of every micro-batch's
                 output = tuple(value if isinstance(value, Tensor)
                                else [values[k] for values in last.record]
@@ -232,6 +236,29 @@ class Pipe(threaded.Pipe):
         finally:
             last.record = None
         return LocalRRef(output)
+
+    def _forward_in_one_graph(self, batches: list[Any]) -> Any:
+        """The micro-batches one after another through the stages, in one autograd graph.
+
+        For `DistributedDataParallel`, which wrapped each process's Pipe in the classic
+        DDP tutorial: it all-reduces a parameter's gradient as soon as autograd has
+        accumulated it, expecting that to happen once per backward. The executor's
+        backward accumulates it once per micro-batch (each stage's backward is its own),
+        so DDP would average partial sums. The classic Pipe built one graph for all
+        micro-batches, as this does; checkpointing broke that there too, which is why its
+        documentation allowed DDP only with ``checkpoint="never"``."""
+        if self.checkpoint != "never" and torch.is_grad_enabled() and self.training:
+            raise ValueError(f"a Pipe inside DistributedDataParallel must be built with "
+                             f"checkpoint='never' (it has {self.checkpoint!r}): a "
+                             f"checkpointed stage accumulates each gradient once per "
+                             f"micro-batch, and DDP would all-reduce the first partial "
+                             f"sum; the classic API had the same rule")
+        outputs = []
+        for x in batches:
+            for stage, device in zip(self.partitions, self.devices):
+                x = stage(transfer(x, device))
+            outputs.append(x)
+        return gather(outputs)
 
     @contextlib.contextmanager
     def _microbatches(self, count: int) -> Iterator[None]:
@@ -247,6 +274,14 @@ class Pipe(threaded.Pipe):
         finally:
             for layer, value in zip(layers, saved):
                 layer.chunks = value
+
+
+def _run_by_data_parallel(pipe: Pipe) -> bool:
+    """Whether `DistributedDataParallel` is running ``pipe``'s forward."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    active = DistributedDataParallel._get_active_ddp_module()
+    return active is not None and active.module is pipe
 
 
 def _moving_denied() -> TypeError:
