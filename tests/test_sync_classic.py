@@ -89,7 +89,7 @@ def test_tensors_of_different_lengths_are_chunked_each_on_its_own():
 
 
 def test_tensors_making_different_numbers_of_chunks_are_refused():
-    """test_uneven_batch_size's second half: 3 rows and 4 rows in 5 chunks make 3 and 2
+    """test_uneven_batch_size's second half: 3 rows and 4 rows in 5 chunks make 3 and 4
     pieces, which cannot pair up: RuntimeError, as before."""
     with pytest.raises(RuntimeError, match="different number of chunks"):
         Pipe(nn.Sequential(Both()), chunks=5)(torch.rand(3, 10), 7, torch.rand(4, 10))

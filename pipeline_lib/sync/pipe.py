@@ -16,6 +16,8 @@ What the classic API did differently, and how each point maps onto `pipeline_lib
   micro-batch; a stage output with no tensor at all is refused.
 * ``chunks`` and ``checkpoint`` are coerced with ``int()`` and ``str()``; an empty
   ``nn.Sequential`` is the identity.
+* Inside `DistributedDataParallel` the micro-batches run in one autograd graph (see
+  `Pipe._forward_in_one_graph`).
 * ``.cuda()``, ``.cpu()`` and ``.to(device)`` raise `TypeError`, even where they would
   not move anything; ``len``, indexing and iteration go over the layers, not the stages.
 """
