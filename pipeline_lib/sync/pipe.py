@@ -159,8 +159,9 @@ class Pipe(threaded.Pipe):
         loss.backward()
 
     ``chunks``, ``checkpoint`` and ``deferred_batch_norm`` mean what they meant there
-    (and in `pipeline_lib.Pipe`, which runs it: ``pipe.step`` works too). Inputs are split
-    as `sync.microbatch` says. Tensor inputs must be on the first stage's device.
+    (and in `pipeline_lib.Pipe`, which runs it: ``pipe.step`` works too, with that
+    class's rules for its inputs). ``pipe(*inputs)`` splits them as `sync.microbatch`
+    says. Tensor inputs must be on the first stage's device.
     `torch.distributed.rpc` need not be initialised (the classic API required it) but may
     be.
     """
