@@ -217,19 +217,48 @@ def test_deferred_batch_norm(checkpoint):
     torch.testing.assert_close(pipe[0].running_var, fresh.running_var)
 
 
-@pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
-def test_a_checkpointing_pipe_inside_distributed_data_parallel_is_refused(tmp_path):
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A gloo group of this process alone: enough for DistributedDataParallel to run."""
+    if not dist.is_available():
+        pytest.skip("this torch build has no torch.distributed")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_inside_distributed_data_parallel_skips_and_non_tensors_still_work(one_process_group):
+    """The one-graph forward DDP gets: skip connections across stages, and a non-tensor
+    output that comes back once per micro-batch; gradients as the plain model's."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    layers = nn.Sequential(Layer1(), Layer2(), Layer3(), Tagged())
+    plain = copy.deepcopy(layers)
+    x = torch.randn(8, 4)
+    out, tags = DistributedDataParallel(Pipe(layers, chunks=4, checkpoint="never"))(x) \
+        .local_value()
+    expected, _ = plain(x)
+    torch.testing.assert_close(out, expected)
+    assert tags == ["tag"] * 4
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_same_grads(layers, plain)
+
+
+class Tagged(nn.Module):
+    def forward(self, x):
+        return x, "tag"
+
+
+def test_a_checkpointing_pipe_inside_distributed_data_parallel_is_refused(one_process_group):
     """The classic documentation allowed DDP around a Pipe only with checkpoint='never';
     with checkpointing, DDP would all-reduce partial gradients, so it is refused."""
     from torch.nn.parallel import DistributedDataParallel
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
-                            world_size=1)
-    try:
-        model = DistributedDataParallel(Pipe(nn.Sequential(nn.Linear(2, 2)), chunks=2))
-        with pytest.raises(ValueError, match="must be built with checkpoint='never'"):
-            model(torch.randn(4, 2))
-        model.eval()                          # nothing is checkpointed in eval mode
+    model = DistributedDataParallel(Pipe(nn.Sequential(nn.Linear(2, 2)), chunks=2))
+    with pytest.raises(ValueError, match="must be built with checkpoint='never'"):
         model(torch.randn(4, 2))
-    finally:
-        dist.destroy_process_group()
+    model.eval()                          # nothing is checkpointed in eval mode
+    model(torch.randn(4, 2))
