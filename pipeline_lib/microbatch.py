@@ -27,6 +27,12 @@ class NoChunk:
             raise TypeError(f"NoChunk wraps a tensor, got {type(self.tensor).__name__}")
 
 
+class Presplit(tuple):
+    """A batch already split into micro-batches, for a caller with its own splitting rules
+    (`pipeline_lib.sync` splits as ``torch.chunk`` did): `split` hands its items on as
+    they are, one micro-batch each. A tuple, so `tree` still sees every tensor in it."""
+
+
 def _kinds(batch: Any) -> str:
     """What a batch holds, for errors: ``dict of (str, int)``."""
     names = sorted({type(leaf).__name__ for leaf in tree.leaves(batch)})
@@ -63,7 +69,11 @@ def split(batch: Any, chunks: int) -> list[Any]:
     Uneven splits are allowed (10 rows in 4 chunks: 3, 3, 2, 2), but every micro-batch
     gets at least one row: a batch with fewer rows than ``chunks`` is an error, since an
     empty micro-batch would give a mean loss of NaN.
+
+    A `Presplit` batch is returned as its micro-batches, whatever ``chunks`` says.
     """
+    if isinstance(batch, Presplit):
+        return list(batch)
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
     size = rows(batch)

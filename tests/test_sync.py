@@ -190,14 +190,18 @@ class Rows(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("rows,micro_rows", [(2, [1, 1]), (3, [1, 1, 1]),
-                                             (10, [3, 3, 2, 2])])
-def test_a_batch_smaller_than_chunks_runs_one_micro_batch_per_row(rows, micro_rows):
+@pytest.mark.parametrize("rows,chunks,micro_rows", [
+    (2, 4, [1, 1]), (3, 4, [1, 1, 1]), (10, 4, [3, 3, 3, 1]), (6, 4, [2, 2, 2]),
+    (20, 8, [3, 3, 3, 3, 3, 3, 2])])          # the last: the classic tutorial's sizes
+def test_micro_batches_have_torch_chunk_sizes(rows, chunks, micro_rows):
+    """The classic microbatch.scatter: ``tensor.chunk(chunks)``, which makes pieces of
+    ceil(rows / chunks) rows and may make fewer than ``chunks`` (the classic tests
+    test_batch_size_small and test_batch_size_indivisible ran such batches)."""
     counter = Rows()
-    pipe = Pipe(nn.Sequential(counter, nn.Linear(2, 2)), chunks=4)
+    pipe = Pipe(nn.Sequential(counter, nn.Linear(2, 2)), chunks=chunks)
     x = torch.randn(rows, 2)
     torch.testing.assert_close(pipe(x).local_value(), pipe[1](x))
-    assert counter.seen == micro_rows and pipe.chunks == 4
+    assert counter.seen == micro_rows and pipe.chunks == chunks
 
 
 def test_deferred_batch_norm_commits_once_for_a_batch_smaller_than_chunks():
