@@ -21,13 +21,14 @@ The executors, one package each, run the same `Schedule`:
 `sync` is the classic ``torch.distributed.pipeline.sync.Pipe`` API (removed from PyTorch in
 2.4) as a thin layer over `Pipe`, so old tutorial code runs with its import changed.
 
-`data_parallel` is ``nn.DataParallel`` from its four primitives, on any devices.
-
-Around them: `viz` (Gantt charts and the README's figures), `speed` (a measured step
-taken apart: is the pipeline faster, and why not), `exercises` (the notebooks' checks),
-`lm` (the Transformer language model, WikiText-2 and the training loops the notebooks
-use) and `notebook_workers` (code that only one notebook's ``torchrun`` workers run).
+`course` holds what the notebooks use and a pipeline does not need: `exercises` (the
+checks), `speed` (a measured step taken apart: is the pipeline faster, and why not),
+`data_parallel` (``nn.DataParallel`` from its four primitives), `pytorch_schedules`
+(PyTorch's schedules as ours, to compare) and `workers` (code that only one notebook's
+``torchrun`` workers run). Around the core: `viz` (Gantt charts and the README's
+figures) and `lm` (the Transformer language model, WikiText-2 and its training program).
 """
+from pipeline_lib import _moved
 from pipeline_lib.batchnorm import DeferredBatchNorm
 from pipeline_lib.checkpoint import is_checkpointing, is_recomputing
 from pipeline_lib.devices import WithDevice
@@ -43,6 +44,9 @@ __all__ = [
     "bubble_theory", "gantt", "is_checkpointing", "is_recomputing", "pop", "simulate",
     "skippable", "stash", "validate", "verify_skips",
 ]
+
+
+_moved.install()
 
 
 def __getattr__(name: str):

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline_lib.data_parallel import (data_parallel_step, parallel_apply, parallel_gather,
+from pipeline_lib.course.data_parallel import (data_parallel_step, parallel_apply, parallel_gather,
                                         reduce_gradients, replicate, scatter)
-from pipeline_lib.notebook_workers.data_parallel import read_ddp_replicas, write_ddp_setup
+from pipeline_lib.course.workers.data_parallel import read_ddp_replicas, write_ddp_setup
 from pipeline_lib.distributed.launch import torchrun
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.lm.loops import lm_loss
@@ -107,7 +107,7 @@ def test_ddp_replicas_stay_identical_and_equal_one_process(tmp_path):
     batches = [tuple(torch.randint(0, 40, (2, 4, 6))) for _ in range(2)]
     write_ddp_setup(tmp_path, CONFIG, model, batches, lr=0.5)
     fake_results(tmp_path, [2], 3)   # left by an earlier run on 3 processes: not read
-    torchrun("pipeline_lib.notebook_workers.data_parallel", [tmp_path], nproc=2, timeout=120)
+    torchrun("pipeline_lib.course.workers.data_parallel", [tmp_path], nproc=2, timeout=120)
     first, second = read_ddp_replicas(tmp_path)
     for name, value in first.state_dict.items():
         assert torch.equal(value, second.state_dict[name]), name

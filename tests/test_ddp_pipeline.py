@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline_lib.notebook_workers.ddp_pipeline import (Cluster, ReplicaLoss, Setup, cheapest_grid,
+from pipeline_lib.course.workers.ddp_pipeline import (Cluster, ReplicaLoss, Setup, cheapest_grid,
                                                         communication_seconds, grid_problem,
                                                         last_step_timeline, read_records,
                                                         write_ddp_pipeline_setup)
@@ -38,7 +38,7 @@ def job(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("ddp_pipeline")
     setup = make_setup()
     write_ddp_pipeline_setup(workdir, setup)
-    torchrun("pipeline_lib.notebook_workers.ddp_pipeline", [str(workdir)], nproc=PP * DP, timeout=150)
+    torchrun("pipeline_lib.course.workers.ddp_pipeline", [str(workdir)], nproc=PP * DP, timeout=150)
     return setup, read_records(workdir)
 
 
@@ -129,7 +129,7 @@ def test_missing_records_name_the_command_to_run(tmp_path):
         (tmp_path / f"rank{rank}.pt").write_bytes(b"stale")
     write_ddp_pipeline_setup(tmp_path, make_setup())
     with pytest.raises(FileNotFoundError, match="torchrun --nproc-per-node 4 -m "
-                                                "pipeline_lib.notebook_workers.ddp_pipeline"):
+                                                "pipeline_lib.course.workers.ddp_pipeline"):
         read_records(tmp_path)
 
 

@@ -119,7 +119,7 @@ def test_withheld_refuses_every_name_of_the_function_and_restores_them():
     """A learner's call of the library function that is the answer fails, by whichever
     name it was imported under, and only inside the block."""
     from pipeline_lib import timeline
-    from pipeline_lib.exercises import ExerciseFailed, exercise, withheld
+    from pipeline_lib.course.exercises import ExerciseFailed, exercise, withheld
 
     original = timeline.simulate
     notebook = {"simulate": original, "sim": original, "other": len}
@@ -142,7 +142,7 @@ def test_withheld_refuses_every_name_of_the_function_and_restores_them():
 
 def test_withheld_takes_a_module_name_for_all_its_functions():
     from pipeline_lib import schedules, timeline
-    from pipeline_lib.exercises import ExerciseFailed, withheld
+    from pipeline_lib.course.exercises import ExerciseFailed, withheld
 
     notebook = {"simulate": timeline.simulate, "gpipe": schedules.gpipe}
     with withheld("pipeline_lib.timeline", namespace=notebook):
@@ -159,7 +159,7 @@ def test_withheld_takes_a_module_name_for_all_its_functions():
 def test_withheld_refuses_a_module_without_functions(monkeypatch):
     import types
 
-    from pipeline_lib.exercises import withheld
+    from pipeline_lib.course.exercises import withheld
 
     monkeypatch.setitem(sys.modules, "pipeline_lib._empty", types.ModuleType("pipeline_lib._empty"))
     with pytest.raises(ValueError, match="defines no functions"):

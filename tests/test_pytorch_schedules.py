@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from pipeline_lib.pytorch_schedules import PYTORCH_NAMES, pytorch_schedule, side_by_side
+from pipeline_lib.course.pytorch_schedules import PYTORCH_NAMES, pytorch_schedule, side_by_side
 from pipeline_lib.schedules import (Action, LOOPED, ScheduleError, build, dualpipe_v,
                                     looped_bfs, validate)
 from pipeline_lib.timeline import simulate, summary

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from pipeline_lib.schedules import gpipe
-from pipeline_lib.speed import Speed, ideal_speedup
+from pipeline_lib.course.speed import Speed, ideal_speedup
 from pipeline_lib.timeline import simulate
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pipeline_lib import Pipe
-from pipeline_lib.data_parallel import parallel_apply
+from pipeline_lib.course.data_parallel import parallel_apply
 from pipeline_lib.schedules import BUILDERS
 from conftest import assert_same_grads
 from workloads import BALANCES, data, make_model

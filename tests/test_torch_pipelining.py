@@ -9,7 +9,7 @@ from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib import Pipe
 from pipeline_lib.schedules import (ScheduleError, gpipe, interleaved_1f1b, one_f_one_b,
                                     validate)
-from pipeline_lib.notebook_workers.torch_pipelining import (main, manual_split,
+from pipeline_lib.course.workers.torch_pipelining import (main, manual_split,
                                                             pytorch_schedule, read_run,
                                                             split_spec, write_pipelining_setup)
 from pipeline_lib.lm.loops import lm_loss
@@ -75,7 +75,7 @@ def test_worker_rejects_unknown_runs_before_starting(tmp_path):
 
 def test_torchrun_deadline_kills_the_job(tmp_path):
     with pytest.raises(TorchrunError, match="did not finish"):
-        torchrun("pipeline_lib.notebook_workers.torch_pipelining", [tmp_path], timeout=1)
+        torchrun("pipeline_lib.course.workers.torch_pipelining", [tmp_path], timeout=1)
 
 
 def test_pytorch_pipeline_equals_pipe_step(tmp_path):
@@ -87,7 +87,7 @@ def test_pytorch_pipeline_equals_pipe_step(tmp_path):
     stale = tmp_path / "gpipe-manual"
     stale.mkdir()
     (stale / "rank2.pt").write_bytes(b"left by an earlier run on 3 processes: not read")
-    torchrun("pipeline_lib.notebook_workers.torch_pipelining",
+    torchrun("pipeline_lib.course.workers.torch_pipelining",
              [tmp_path, "--runs", "gpipe:manual,1f1b:manual", "--microbatches", "2",
               "--steps", "1"], timeout=120)
     for schedule, split in [("gpipe", "manual"), ("1f1b", "manual")]:

@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from pipeline_lib.data_parallel import (Device, parallel_apply, reduce_gradients,
+from pipeline_lib.course.data_parallel import (Device, parallel_apply, reduce_gradients,
                                         replicate, scatter)
 from pipeline_lib.lm.chunked_loss import (IGNORE_INDEX, check_loss_inputs,
                                           chunked_loss_backward, counted_tokens)

@@ -14,7 +14,7 @@ two ways:
 
 This file is also the torchrun worker that runs them and writes what happened::
 
-    torchrun --nproc-per-node 2 -m pipeline_lib.notebook_workers.torch_pipelining WORKDIR \\
+    torchrun --nproc-per-node 2 -m pipeline_lib.course.workers.torch_pipelining WORKDIR \\
         --runs gpipe:manual,1f1b:tracer --microbatches 4
 
 ``WORKDIR/setup.pt`` (`write_pipelining_setup`) holds the model's config and weights and
@@ -43,11 +43,11 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from pipeline_lib.distributed.launch import worker_device
 from pipeline_lib.distributed.job import process_group
 from pipeline_lib.lm.model import transformer_lm
-from pipeline_lib import pytorch_schedules
+from pipeline_lib.course import pytorch_schedules
 from pipeline_lib.schedules import Action, Schedule
 from pipeline_lib.timeline import Event, Timeline
 from pipeline_lib.lm.loops import lm_loss
-from pipeline_lib.notebook_workers import results
+from pipeline_lib.course.workers import results
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 pytorch_schedule = pytorch_schedules.pytorch_schedule   # notebook 06 imports it from here

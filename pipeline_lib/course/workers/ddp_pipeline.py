@@ -1,7 +1,7 @@
 """A pipeline replicated with DistributedDataParallel, recorded rank by rank: the torchrun
 job of notebook 05.
 
-    torchrun --nproc-per-node 4 -m pipeline_lib.notebook_workers.ddp_pipeline WORKDIR
+    torchrun --nproc-per-node 4 -m pipeline_lib.course.workers.ddp_pipeline WORKDIR
 
 ``WORKDIR/setup.pt`` (`write_ddp_pipeline_setup`) holds the job: the ``pp × dp`` mesh, the model's
 config and weights, the balance, schedule and micro-batch count, SGD's learning rate and the
@@ -41,7 +41,7 @@ from pipeline_lib.distributed.mesh import Mesh, init_mesh
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.timeline import Event, Timeline
 from pipeline_lib.lm.loops import lm_loss
-from pipeline_lib.notebook_workers import results
+from pipeline_lib.course.workers import results
 
 RESULTS = "rank"   # each process saves WORKDIR/rank{rank}.pt
 

@@ -38,7 +38,7 @@ def get_schedule_ops(*args, **kwargs) -> list:
     except ImportError as exc:
         raise ImportError(
             f"torch.distributed.pipelining._schedule_visualizer.get_schedule_ops, a private "
-            f"PyTorch API that pipeline_lib.pytorch_schedules and notebook 06 use, is missing "
+            f"PyTorch API that pipeline_lib.course.pytorch_schedules and notebook 06 use, is missing "
             f"from torch {torch.__version__}: install the torch this suite is tested with, "
             f"pip install torch==2.13.0 (see requirements.txt)") from exc
     return ops(*args, **kwargs)

@@ -4,5 +4,5 @@ worker process cannot run a function defined inside a notebook.
 * `ddp_pipeline`: notebook 05, a pipeline replicated with DistributedDataParallel;
 * `torch_pipelining`: notebook 06, the same model on ``torch.distributed.pipelining``;
 * `data_parallel`: notebook 04, a DistributedDataParallel worker (the one-process
-  primitives are `pipeline_lib.data_parallel`).
+  primitives are `pipeline_lib.course.data_parallel`).
 """

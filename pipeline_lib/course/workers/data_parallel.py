@@ -1,11 +1,11 @@
 """A DistributedDataParallel worker for torchrun (notebook 04), beside the one-process
-primitives of `pipeline_lib.data_parallel`.
+primitives of `pipeline_lib.course.data_parallel`.
 
 ``DistributedDataParallel`` runs one process per device for the whole training: the model
 is replicated once, each process computes the loss of its own slice, and the gradients are
 **averaged** by an all-reduce during the backward. `main` is such a process::
 
-    torchrun --nproc-per-node 2 -m pipeline_lib.notebook_workers.data_parallel WORKDIR
+    torchrun --nproc-per-node 2 -m pipeline_lib.course.workers.data_parallel WORKDIR
 
 trains on the batches of ``WORKDIR/ddp_setup.pt`` (`write_ddp_setup`) and leaves each
 replica's final weights and losses for `read_ddp_replicas`, in ``ddp_rank{r}.pt``.
@@ -26,7 +26,7 @@ from pipeline_lib.distributed.launch import worker_device
 from pipeline_lib.distributed.job import process_group
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.lm.loops import lm_loss
-from pipeline_lib.notebook_workers import results
+from pipeline_lib.course.workers import results
 
 RESULTS = "ddp_rank"   # each process saves WORKDIR/ddp_rank{rank}.pt
 

@@ -1,0 +1,12 @@
+"""What the notebooks use and a pipeline does not need.
+
+* `exercises`: the exercises' checks (`exercise`, `withheld`); ``make student`` strips
+  the solutions they check;
+* `speed`: a measured step taken apart (is the pipeline faster, and why not);
+* `data_parallel`: ``nn.DataParallel`` from its four primitives, on any devices (04);
+* `pytorch_schedules`: PyTorch's own schedules as our `Schedule`, to compare (02b, 06);
+* `workers`: code that only one notebook's ``torchrun`` workers run (04, 05, 06).
+
+The core (schedules, simulator, stages, executors) imports nothing from here;
+`lm.multi_device_loss`, notebook 04's loss, builds on `data_parallel`.
+"""
