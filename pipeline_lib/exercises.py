@@ -14,11 +14,18 @@ with the exercise's name: a failed ``check``, the untouched stub (``NotImplement
 a solution cell that was never run (``NameError``), or any error the learner's code
 raised. The name is what ``tests/test_exercises.py`` looks for: on the student version
 every check must fail with its own exercise's name, on the instructor version pass.
+
+Where the library has a function that *is* the answer (the planner's ``predict`` for a
+memory count done by hand), the check calls the learner's code inside ``withheld(...)``:
+calling that function there fails with a message instead of passing the check by copying
+the very numbers it compares against.
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 
 class ExerciseFailed(AssertionError):
@@ -51,3 +58,46 @@ def exercise(name: str) -> Iterator[Check]:
         raise ExerciseFailed(f"{name}: your code raised {type(error).__name__}: {error}"
                              ) from error
     print(f"{name}: passed")
+
+
+@contextmanager
+def withheld(*functions: Callable[..., Any], namespace: dict[str, Any] | None = None
+             ) -> Iterator[None]:
+    """While the block runs, calling any of ``functions`` raises `ExerciseFailed`.
+
+    A check wraps the learner's call in it when the library already computes the answer:
+    an answer that calls the library would pass without the work the exercise asks for.
+    ``from module import name`` binds a second name to the same function, so every name
+    bound to one of ``functions`` is replaced: in every loaded ``pipeline_lib`` module,
+    and in ``namespace`` (pass the notebook's ``globals()``). All are restored on exit,
+    whatever happens in the block.
+    """
+    if not functions:
+        raise ValueError("withheld() needs at least one function to withhold")
+    for function in functions:
+        if not callable(function):
+            raise TypeError(f"withheld() takes functions, got {function!r}")
+    targets = [vars(module) for name, module in list(sys.modules.items())
+               if module is not None and (name == "pipeline_lib"
+                                          or name.startswith("pipeline_lib."))]
+    if namespace is not None:
+        targets.append(namespace)
+    swapped: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for names in targets:
+            for name, value in list(names.items()):
+                if any(value is function for function in functions):
+                    swapped.append((names, name, value))
+                    names[name] = _refusal(getattr(value, "__name__", name))
+        yield
+    finally:
+        for names, name, value in reversed(swapped):
+            names[name] = value
+
+
+def _refusal(name: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise ExerciseFailed(f"your code calls `{name}`, which computes the very answer this "
+                             f"check compares yours with. Work it out without `{name}`.")
+    refuse.__name__ = name
+    return refuse

@@ -113,3 +113,28 @@ def test_make_student_writes_every_notebook_without_solutions_or_outputs(tmp_pat
         nb = nbformat.read(path, as_version=4)
         assert not any(c.get("outputs") for c in nb.cells), path.name
         assert "### BEGIN SOLUTION" not in "".join(c.source for c in nb.cells), path.name
+
+
+def test_withheld_refuses_every_name_of_the_function_and_restores_them():
+    """A learner's call of the library function that is the answer fails, by whichever
+    name it was imported under, and only inside the block."""
+    from pipeline_lib import timeline
+    from pipeline_lib.exercises import ExerciseFailed, exercise, withheld
+
+    original = timeline.simulate
+    notebook = {"simulate": original, "sim": original, "other": len}
+    with pytest.raises(ExerciseFailed, match=r"^Exercise 0\.1 \(t\): your code calls "
+                                             r"`simulate`"):
+        with exercise("Exercise 0.1 (t)"), withheld(original, namespace=notebook):
+            assert notebook["other"] is len                  # other names untouched
+            notebook["sim"]()
+    assert notebook == {"simulate": original, "sim": original, "other": len}
+    assert timeline.simulate is original
+    import pipeline_lib
+    with withheld(original):
+        with pytest.raises(ExerciseFailed):
+            pipeline_lib.simulate()                          # the package's own name too
+    assert pipeline_lib.simulate is original
+    with pytest.raises(TypeError, match="functions"):
+        with withheld(3):
+            pass
