@@ -134,15 +134,15 @@ def predict(model: Model, cluster: Cluster | str, layout: Layout) -> Plan:
 def busiest_memory(model: Model, cluster: Cluster, layout: Layout, schedule: Schedule,
                    timeline: Timeline, costs: ChunkCosts, rank_params: list[float]) -> Memory:
     """The rank with the most bytes: its states, the activations of the micro-batches the
-    simulated schedule holds on it at its peak, and (with full recompute) one layer's
-    activations rebuilt for its backward."""
+    simulated schedule holds on it at its peak, and a working set: the float32 logits of
+    one micro-batch on the rank with the loss (freed once the loss's gradient is out),
+    and with full recompute one layer's activations rebuilt for its backward."""
     per_layer = layer_activation_bytes(model, cluster, layout)
-    last = schedule.stages - 1
-    stage_size = [n * per_layer + (logits_bytes(model, layout) if c == last else 0.0)
-                  for c, n in enumerate(costs.layers)]
-    peaks = timeline.peak_activations(stage_size)
+    peaks = timeline.peak_activations([n * per_layer for n in costs.layers])
     working = layer_activation_bytes(model, cluster, layout, "none") \
         if layout.recompute == "full" else 0.0
-    ranks = [Memory(*state_bytes(rank_params[r], cluster, layout), peaks[r] + working)
+    loss_rank = schedule.rank_of(schedule.stages - 1)
+    ranks = [Memory(*state_bytes(rank_params[r], cluster, layout),
+                    peaks[r] + working + (logits_bytes(model, layout) if r == loss_rank else 0))
              for r in range(layout.pp)]
     return max(ranks, key=float)
