@@ -22,6 +22,8 @@ the very numbers it compares against.
 """
 from __future__ import annotations
 
+import importlib
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -61,38 +63,55 @@ def exercise(name: str) -> Iterator[Check]:
 
 
 @contextmanager
-def withheld(*functions: Callable[..., Any], namespace: dict[str, Any] | None = None
+def withheld(*targets: Callable[..., Any] | str, namespace: dict[str, Any] | None = None
              ) -> Iterator[None]:
-    """While the block runs, calling any of ``functions`` raises `ExerciseFailed`.
+    """While the block runs, calling any of ``targets`` raises `ExerciseFailed`.
 
     A check wraps the learner's call in it when the library already computes the answer:
     an answer that calls the library would pass without the work the exercise asks for.
-    ``from module import name`` binds a second name to the same function, so every name
-    bound to one of ``functions`` is replaced: in every loaded ``pipeline_lib`` module,
-    and in ``namespace`` (pass the notebook's ``globals()``). All are restored on exit,
-    whatever happens in the block.
+    A target is a function, or the name of a module or package (``"pipeline_lib.plan"``):
+    every function defined in it and its submodules. ``from module import name`` binds a
+    second name to the same function, so every name bound to a withheld function is
+    replaced: in every loaded ``pipeline_lib`` module, and in ``namespace`` (pass the
+    notebook's ``globals()``). All are restored on exit, whatever happens in the block.
     """
-    if not functions:
-        raise ValueError("withheld() needs at least one function to withhold")
-    for function in functions:
-        if not callable(function):
-            raise TypeError(f"withheld() takes functions, got {function!r}")
-    targets = [vars(module) for name, module in list(sys.modules.items())
-               if module is not None and (name == "pipeline_lib"
-                                          or name.startswith("pipeline_lib."))]
-    if namespace is not None:
-        targets.append(namespace)
+    if not targets:
+        raise ValueError("withheld() needs at least one function or module name")
+    functions = [f for target in targets for f in _functions(target)]
+    modules = [module for name, module in list(sys.modules.items())
+               if module is not None and _inside(name, "pipeline_lib")]
+    spaces = [vars(module) for module in modules] + ([namespace] if namespace is not None
+                                                     else [])
     swapped: list[tuple[dict[str, Any], str, Any]] = []
     try:
-        for names in targets:
+        for names in spaces:
             for name, value in list(names.items()):
                 if any(value is function for function in functions):
                     swapped.append((names, name, value))
-                    names[name] = _refusal(getattr(value, "__name__", name))
+                    names[name] = _refusal(value.__name__)
         yield
     finally:
         for names, name, value in reversed(swapped):
             names[name] = value
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _functions(target: Callable[..., Any] | str) -> list[Callable[..., Any]]:
+    if isinstance(target, str):
+        importlib.import_module(target)        # a package's __init__ loads its modules
+        found = [value for name, module in list(sys.modules.items())
+                 if module is not None and _inside(name, target)
+                 for value in vars(module).values()
+                 if inspect.isfunction(value) and value.__module__ == name]
+        if not found:
+            raise ValueError(f"withheld({target!r}): that module defines no functions")
+        return found
+    if not callable(target):
+        raise TypeError(f"withheld() takes functions or module names, got {target!r}")
+    return [target]
 
 
 def _refusal(name: str) -> Callable[..., Any]:

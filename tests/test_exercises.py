@@ -138,3 +138,30 @@ def test_withheld_refuses_every_name_of_the_function_and_restores_them():
     with pytest.raises(TypeError, match="functions"):
         with withheld(3):
             pass
+
+
+def test_withheld_takes_a_module_name_for_all_its_functions():
+    from pipeline_lib import schedules, timeline
+    from pipeline_lib.exercises import ExerciseFailed, withheld
+
+    notebook = {"simulate": timeline.simulate, "gpipe": schedules.gpipe}
+    with withheld("pipeline_lib.timeline", namespace=notebook):
+        with pytest.raises(ExerciseFailed, match="`simulate`"):
+            notebook["simulate"]()
+        with pytest.raises(ExerciseFailed, match="`bubble_theory`"):
+            timeline.bubble_theory(2, 4)
+        assert notebook["gpipe"] is schedules.gpipe               # another module: free
+        assert timeline.Timeline.__name__ == "Timeline"           # classes stay
+    assert timeline.bubble_theory(2, 4) == pytest.approx(1 / 5)
+
+
+
+def test_withheld_refuses_a_module_without_functions(monkeypatch):
+    import types
+
+    from pipeline_lib.exercises import withheld
+
+    monkeypatch.setitem(sys.modules, "pipeline_lib._empty", types.ModuleType("pipeline_lib._empty"))
+    with pytest.raises(ValueError, match="defines no functions"):
+        with withheld("pipeline_lib._empty"):
+            pass
