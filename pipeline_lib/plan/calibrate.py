@@ -27,25 +27,34 @@ def log_error(cluster: Cluster, runs: Sequence[tuple[Model, Layout, float]]) -> 
 
 def calibrate(cluster: Cluster, runs: Sequence[tuple[Model, Layout, float]],
               factors: Sequence[str] = FACTORS, resolution: float = 0.01) -> Cluster:
-    """``cluster`` with ``factors`` set (in [0.2, 1], to ``resolution``) to minimise
-    `log_error` over ``runs`` of (model, layout, measured seconds per step): a golden
-    section search on each factor in turn, until neither moves."""
+    """``cluster`` with ``factors`` set (each in [0.2, 1], to ``resolution``) to minimise
+    `log_error` over ``runs`` of (model, layout, measured seconds per step).
+
+    A golden-section search over the first factor, each of its trials taking the best
+    second factor (a golden-section search again). The two trade off against each other
+    (a slower GEMM or slower memory both lengthen a step), so a search one factor at a
+    time would stop wherever it started on that ridge; nested, the result does not depend
+    on the cluster's current values."""
     if not runs:
         raise ValueError("calibrate needs at least one measured run")
     unknown = set(factors) - set(FACTORS)
-    if unknown:
-        raise ValueError(f"calibrate fits only {FACTORS}, not {sorted(unknown)}")
-    golden = (math.sqrt(5) - 1) / 2
-    for _ in range(8):
-        before = [getattr(cluster, f) for f in factors]
-        for factor in factors:
-            cost = lambda x: log_error(replace(cluster, **{factor: x}), runs)
-            lo, hi = 0.2, 1.0
-            while hi - lo > resolution / 4:
-                a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
-                lo, hi = (lo, b) if cost(a) < cost(b) else (a, hi)
-            cluster = replace(cluster, **{factor: round((lo + hi) / 2 / resolution)
-                                          * resolution})
-        if [getattr(cluster, f) for f in factors] == before:
-            break
-    return cluster
+    if unknown or not 1 <= len(factors) <= 2:
+        raise ValueError(f"calibrate fits one or two of {FACTORS}, not {list(factors)}")
+
+    def best(fixed: Cluster, remaining: Sequence[str]) -> tuple[float, Cluster]:
+        factor, rest = remaining[0], remaining[1:]
+
+        def trial(x: float) -> tuple[float, Cluster]:
+            candidate = replace(fixed, **{factor: round(x / resolution) * resolution})
+            return best(candidate, rest) if rest else (log_error(candidate, runs), candidate)
+
+        lo, hi = 0.2, 1.0
+        while hi - lo > resolution / 2:
+            a, b = hi - GOLDEN * (hi - lo), lo + GOLDEN * (hi - lo)
+            lo, hi = (lo, b) if trial(a)[0] < trial(b)[0] else (a, hi)
+        return trial((lo + hi) / 2)
+
+    return best(cluster, list(factors))[1]
+
+
+GOLDEN = (math.sqrt(5) - 1) / 2

@@ -74,7 +74,7 @@ GB = 1e9
 # these are the fit's result). H100: the matmul factor fitted the same way on Llama 3
 # 405B at 8,192 GPUs (Dubey et al. 2024, Table 4); one run fixes only one factor, so its
 # bandwidth factor is nccl-tests' ~80% of nominal NVLink bus bandwidth (doc/PERFORMANCE.md).
-A100_MATMUL, A100_BANDWIDTH = 0.66, 0.72
+A100_MATMUL, A100_BANDWIDTH = 0.71, 0.64
 H100_MATMUL, H100_BANDWIDTH = 0.62, 0.80
 
 CLUSTERS: dict[str, Cluster] = {

@@ -26,8 +26,10 @@ class Model:
     gated_mlp: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "heads", "seq_len", "vocab", "ffn", "kv"):
+        for name in ("layers", "hidden", "heads", "seq_len", "vocab", "ffn_hidden", "kv_heads"):
             value = getattr(self, name)
+            if value is None and name in ("ffn_hidden", "kv_heads"):
+                continue    # the default: 4 · hidden, or one key-value head per head
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Model: {name} must be a positive integer, got {value!r}")
         if self.hidden % self.heads:

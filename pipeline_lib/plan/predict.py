@@ -87,9 +87,15 @@ def last_backwards(schedule: Schedule, timeline: Timeline) -> list[tuple[float, 
     return [last[s] for s in range(schedule.stages)]
 
 
-def predict(model: Model, cluster: Cluster | str, layout: Layout) -> Plan:
-    """Predict one optimizer step of ``model`` trained on ``cluster`` as ``layout`` says."""
+def predict(model: Model, cluster: Cluster | str, layout: Layout,
+            gpus: int | None = None) -> Plan:
+    """Predict one optimizer step of ``model`` trained on ``cluster`` as ``layout`` says
+    (on ``gpus`` GPUs, if given: then tp × pp × dp must use exactly that many)."""
     cluster = as_cluster(cluster)
+    if gpus is not None and layout.gpus != gpus:
+        raise ValueError(f"the layout runs on tp × pp × dp = {layout.tp} × {layout.pp} × "
+                         f"{layout.dp} = {layout.gpus} GPUs, not {gpus}: change dp (or tp, "
+                         f"pp) so that the product is {gpus}")
     check_fits(model, layout)
     costs = chunk_costs(model, cluster, layout)
     schedule = build(layout.schedule, layout.pp, layout.microbatches, layout.chunks_per_rank)
