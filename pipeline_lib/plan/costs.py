@@ -73,17 +73,17 @@ def layer_pass(model: Model, cluster: Cluster, layout: Layout) -> tuple[Pass, fl
                     cluster.gemm_seconds(2.5 * flops, e * 8 * b * heads * s * head))
     else:
         qk = cluster.gemm_seconds(2 * scores * head, e * (2 * b * heads * s * head + scores))
-        softmax_dropout = cluster.memory_seconds((2 * e + 2 * e + 1) * scores)
+        softmax_dropout = cluster.memory_seconds((2 * e + 2 * e + 1) * scores, kernels=2)
         core = Pass(2 * qk + softmax_dropout,
-                    4 * qk + cluster.memory_seconds((3 * e + 2 * e + 1) * scores))
+                    4 * qk + cluster.memory_seconds((3 * e + 2 * e + 1) * scores, kernels=2))
     act_in = model.mlp_matrices * e * tokens * f / t         # GeLU: read f, write f
     elementwise = Pass(cluster.memory_seconds(2 * 2 * e * shared * h            # 2 norms
                                               + 2 * (3 * e + 1) * shared * h    # dropout-add
-                                              + act_in),
+                                              + act_in, kernels=5),
                        cluster.memory_seconds(2 * 3 * e * shared * h
                                               + 2 * (2 * e + 1) * shared * h
                                               + act_in * (model.mlp_matrices + 1)
-                                              / model.mlp_matrices))
+                                              / model.mlp_matrices, kernels=5))
     link = cluster.link_bandwidth(inter_node=t > cluster.gpus_per_node)
     collective = 2 * ring_seconds(e * tokens * h, t, link, cluster.latency)
     layer = Pass(gemms, gemms, gemms) + core + elementwise + Pass(collective, collective)
@@ -98,8 +98,8 @@ def embedding_pass(model: Model, cluster: Cluster, layout: Layout) -> Pass:
     e, tokens, h = cluster.value_bytes, layout.micro_batch * model.seq_len, model.hidden
     link = cluster.link_bandwidth(inter_node=layout.tp > cluster.gpus_per_node)
     reduce = ring_seconds(e * tokens * h, layout.tp, link, cluster.latency)
-    return Pass(cluster.memory_seconds((4 * e + 1) * tokens * h) + reduce, 0.0,
-                cluster.memory_seconds(3 * e * tokens * h))
+    return Pass(cluster.memory_seconds((4 * e + 1) * tokens * h, kernels=2) + reduce, 0.0,
+                cluster.memory_seconds(3 * e * tokens * h, kernels=2))
 
 
 def loss_pass(model: Model, cluster: Cluster, layout: Layout) -> Pass:
@@ -113,8 +113,9 @@ def loss_pass(model: Model, cluster: Cluster, layout: Layout) -> Pass:
     link = cluster.link_bandwidth(inter_node=t > cluster.gpus_per_node)
     reduce = ring_seconds(e * tokens * h, t, link, cluster.latency)
     norm = cluster.memory_seconds(2 * e * tokens * h)
-    return Pass(projection + norm + cluster.memory_seconds((12 + e) * logits),
-                projection + reduce + norm + cluster.memory_seconds((4 + e) * logits),
+    return Pass(projection + norm + cluster.memory_seconds((12 + e) * logits, kernels=2),
+                projection + reduce + norm + cluster.memory_seconds((4 + e) * logits,
+                                                                    kernels=2),
                 projection)
 
 

@@ -19,6 +19,10 @@ class Cluster:
     ``value_bytes`` is the size of one activation or weight value as trained (2 for
     16-bit mixed precision, 4 for float32 on a CPU); ``peak_flops`` is the peak for that
     precision. ``latency`` is the start-up time of one message (seconds).
+    ``kernel_overhead`` is what a kernel costs however small it is (seconds): on a CPU
+    running eager PyTorch, the dispatch and autograd bookkeeping of each operation, which
+    is most of a small model's step; 0 on the GPU presets, whose kernels are queued ahead
+    and start as the previous one ends.
     """
 
     name: str
@@ -32,6 +36,7 @@ class Cluster:
     bandwidth_efficiency: float  # achieved fraction of every nominal bandwidth
     latency: float = 10e-6       # seconds per message
     value_bytes: int = 2
+    kernel_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "hbm_bytes", "hbm_bandwidth", "intra_node_bandwidth",
@@ -45,18 +50,21 @@ class Cluster:
             if not 0 < value <= 1:
                 raise ValueError(f"Cluster {self.name!r}: {name} is a fraction of the "
                                  f"spec-sheet number, in (0, 1]; got {value!r}")
-        if self.gpus_per_node < 1 or self.value_bytes not in (2, 4) or self.latency < 0:
+        if self.gpus_per_node < 1 or self.value_bytes not in (2, 4) or self.latency < 0 \
+                or self.kernel_overhead < 0:
             raise ValueError(f"Cluster {self.name!r}: need gpus_per_node >= 1, value_bytes "
-                             f"2 or 4 and latency >= 0")
+                             f"2 or 4, latency >= 0 and kernel_overhead >= 0")
 
     def gemm_seconds(self, flops: float, nbytes: float) -> float:
         """A roofline: a kernel takes the longer of its compute and its memory traffic."""
         return max(flops / (self.peak_flops * self.matmul_efficiency),
-                   nbytes / (self.hbm_bandwidth * self.bandwidth_efficiency))
+                   nbytes / (self.hbm_bandwidth * self.bandwidth_efficiency)) \
+            + self.kernel_overhead
 
-    def memory_seconds(self, nbytes: float) -> float:
-        """A memory-bound kernel (norm, softmax, dropout, optimizer): bytes over HBM."""
-        return nbytes / (self.hbm_bandwidth * self.bandwidth_efficiency)
+    def memory_seconds(self, nbytes: float, kernels: int = 1) -> float:
+        """Memory-bound kernels (norm, softmax, dropout, optimizer): bytes over HBM."""
+        return nbytes / (self.hbm_bandwidth * self.bandwidth_efficiency) \
+            + kernels * self.kernel_overhead
 
     def link_bandwidth(self, inter_node: bool) -> float:
         nominal = self.inter_node_bandwidth if inter_node else self.intra_node_bandwidth
