@@ -108,8 +108,10 @@ def estimate(model: Model, cluster: Cluster, layout: Layout) -> tuple[float, flo
     work per micro-batch times m, plus the schedule's fill and drain (1F1B and GPipe:
     p − 1 stage steps; interleaved: (p − 1)/v; ZB-H1: p − 1 of F + I − W, the W
     filling the rest), the data-parallel reduction beyond one backward, the optimizer."""
-    layer, recompute = _layer(model, cluster, layout)
-    ends = _ends(model, cluster, layout)   # as if one rank held both: an upper bound
+    # the embedding and the loss as if one rank held both: an upper bound
+    layer, recompute, ends = _layer_costs(model, cluster, layout.tp, layout.micro_batch,
+                                          layout.recompute, layout.sequence_parallel,
+                                          layout.flash_attention)
     counts = layers_per_chunk(model.layers, layout.chunks)
     v, p, m = layout.chunks_per_rank, layout.pp, layout.microbatches
     per_stage = max(counts) * v
@@ -150,22 +152,16 @@ def estimate(model: Model, cluster: Cluster, layout: Layout) -> tuple[float, flo
 
 
 @lru_cache(maxsize=4096)
-def _layer(model: Model, cluster: Cluster, layout: Layout) -> tuple[Pass, float]:
-    return layer_pass(model, cluster, _cost_key(layout))
-
-
-@lru_cache(maxsize=4096)
-def _ends(model: Model, cluster: Cluster, layout: Layout) -> Pass:
-    key = _cost_key(layout)
-    return embedding_pass(model, cluster, key) + loss_pass(model, cluster, key)
-
-
-def _cost_key(layout: Layout) -> Layout:
-    """The fields a layer's cost depends on, so that layouts share cached costs."""
-    return Layout(tp=layout.tp, micro_batch=layout.micro_batch,
-                  global_batch=layout.micro_batch, recompute=layout.recompute,
-                  sequence_parallel=layout.sequence_parallel,
-                  flash_attention=layout.flash_attention)
+def _layer_costs(model: Model, cluster: Cluster, tp: int, micro_batch: int, recompute: str,
+                 sequence_parallel: bool, flash_attention: bool) -> tuple[Pass, float, Pass]:
+    """`layer_pass` and the embedding and loss passes, which depend on these fields only:
+    computed once for the many layouts that share them."""
+    layout = Layout(tp=tp, micro_batch=micro_batch, global_batch=micro_batch,
+                    recompute=recompute, sequence_parallel=sequence_parallel,
+                    flash_attention=flash_attention)
+    layer, recompute_seconds = layer_pass(model, cluster, layout)
+    ends = embedding_pass(model, cluster, layout) + loss_pass(model, cluster, layout)
+    return layer, recompute_seconds, ends
 
 
 def search(model: Model, cluster: Cluster | str, gpus: int, global_batch: int, *,
@@ -178,8 +174,7 @@ def search(model: Model, cluster: Cluster | str, gpus: int, global_batch: int, *
     cluster = as_cluster(cluster)
     if gpus < 1 or global_batch < 1:
         raise ValueError(f"need gpus >= 1 and global_batch >= 1, got {gpus}, {global_batch}")
-    _layer.cache_clear()
-    _ends.cache_clear()
+    _layer_costs.cache_clear()
     fitting: list[Candidate] = []
     rejected: list[Rejected] = []
     for layout in layouts(model, gpus, global_batch, schedules, recompute, micro_batches,
