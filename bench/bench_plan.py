@@ -14,7 +14,9 @@ its "pipeline_lib" rows), each next to `predict`'s pipeline time. That benchmark
 forward and backward between barriers, no optimizer step, so the comparison is with
 `Plan.pipeline_time` (the simulated makespan), not `step_time`. Its stages come from
 `balance_by_time`; the planner splits the blocks evenly, the embedding on the first rank
-and the vocabulary projection and loss on the last.
+and the vocabulary projection and loss on the last. The model's blocks are
+`nn.TransformerEncoderLayer`s, whose causal attention runs in PyTorch's fused CPU kernel
+(scaled_dot_product_attention): ``flash_attention=True``.
 Prints one JSON object per row, then a table.
 """
 from __future__ import annotations
@@ -86,7 +88,7 @@ def bench_local(quick: bool, steps: int | None) -> None:
         if run["impl"] != "pipeline_lib":
             continue
         layout = Layout(pp=2, micro_batch=config.batch // run["m"], global_batch=config.batch,
-                        schedule=run["schedule"])
+                        schedule=run["schedule"], flash_attention=True)
         plan = predict(model, cluster, layout)
         row = dict(schedule=SCHEDULES[run["schedule"]], m=run["m"], measured_s=run["step_s"],
                    predicted_s=plan.pipeline_time,

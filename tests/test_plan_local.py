@@ -26,7 +26,7 @@ def test_measured_cluster_predicts_the_two_rank_runs(cluster):
     for schedule in ("gpipe", "1f1b"):
         for m in (4, 8):
             plan = predict(QUICK, cluster, Layout(pp=2, micro_batch=16 // m, global_batch=16,
-                                                  schedule=schedule))
+                                                  schedule=schedule, flash_attention=True))
             times[schedule, m] = plan.pipeline_time
             assert 0 < plan.pipeline_time < plan.step_time
     # GPipe and 1F1B have the same bubble on equal ranks
