@@ -13,7 +13,9 @@ import pytest
 
 from pipeline_lib.plan import CLUSTERS, Layout, Model, predict, search
 from pipeline_lib.plan.calibrate import calibrate
+from pipeline_lib.plan.costs import ring_seconds
 from pipeline_lib.plan.memory import layer_activation_bytes, state_bytes
+from pipeline_lib.plan.predict import chunk_parameters
 from pipeline_lib.plan.search import differences
 from pipeline_lib.timeline import Timeline
 
@@ -170,6 +172,29 @@ def test_plan_carries_the_simulated_timeline_of_the_named_schedule():
     assert plan.bubble_fraction == plan.timeline.bubble_fraction()
     assert plan.step_time >= plan.timeline.makespan
     assert 0 < plan.mfu < plan.tflops_per_gpu * 1e12 / A100.peak_flops < 1
+
+
+def test_full_recompute_adds_one_forward_to_each_backward():
+    layout = Layout(tp=8, pp=4, dp=1, micro_batch=1, global_batch=8, recompute="none")
+    plain = predict(GPT_175B, A100, layout).costs
+    full = predict(GPT_175B, A100, replace(layout, recompute="full")).costs
+    middle = 1                                  # no embedding, no loss
+    assert full.forward == plain.forward
+    assert full.backward[middle] == pytest.approx(plain.backward[middle]
+                                                  + plain.forward[middle])
+
+
+def test_data_parallel_reduction_hides_partly_behind_the_last_backwards():
+    """On a network 20 times slower the reduction shows, but less of it than a ring of
+    the busiest rank's gradients takes: it overlaps with the last backwards."""
+    layout = Layout(tp=8, pp=4, dp=4, micro_batch=1, global_batch=32, recompute="full")
+    slow = replace(A100, inter_node_bandwidth=A100.inter_node_bandwidth / 20)
+    plan = predict(GPT_175B, slow, layout)
+    params = chunk_parameters(GPT_175B, layout, plan.costs.layers)
+    ring = ring_seconds(2 * max(params), 4, slow.link_bandwidth(inter_node=True),
+                        slow.latency)
+    assert 0 < plan.data_parallel_time < ring
+    assert predict(GPT_175B, A100, layout).data_parallel_time < plan.data_parallel_time
 
 
 # -- memory formulas ----------------------------------------------------------------------

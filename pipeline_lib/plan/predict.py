@@ -87,6 +87,31 @@ def last_backwards(schedule: Schedule, timeline: Timeline) -> list[tuple[float, 
     return [last[s] for s in range(schedule.stages)]
 
 
+def gradient_reduction(cluster: Cluster, layout: Layout, schedule: Schedule,
+                       timeline: Timeline, params: list[float]) -> float:
+    """Seconds the data-parallel gradient reduction adds to the step. Each chunk's ring
+    starts with its last backward (bucket by bucket, as DDP does) and a rank's chunks
+    take turns; whatever ends after the pipeline's last action is exposed. With the
+    distributed optimizer it is a reduce-scatter (half the bytes of an all-reduce), and
+    the updated weights are all-gathered after the optimizer step, exposed."""
+    e, d = cluster.value_bytes, layout.dp
+    bandwidth = data_parallel_bandwidth(cluster, layout)
+    share = 1.0 if layout.distributed_optimizer else 2.0
+    windows = last_backwards(schedule, timeline)
+    finish = 0.0
+    for r in range(layout.pp):
+        done = 0.0
+        for c in sorted(schedule.stages_on(r), key=lambda c: windows[c][0]):
+            seconds = ring_seconds(e * params[c], d, bandwidth, cluster.latency, share)
+            done = max(done, windows[c][0]) + seconds
+        finish = max(finish, done)
+    exposed = max(0.0, finish - timeline.makespan)
+    if layout.distributed_optimizer:
+        busiest = max(sum(params[c] for c in schedule.stages_on(r)) for r in range(layout.pp))
+        exposed += ring_seconds(e * busiest, d, bandwidth, cluster.latency, 1.0)
+    return exposed
+
+
 def predict(model: Model, cluster: Cluster | str, layout: Layout,
             gpus: int | None = None) -> Plan:
     """Predict one optimizer step of ``model`` trained on ``cluster`` as ``layout`` says
@@ -104,27 +129,11 @@ def predict(model: Model, cluster: Cluster | str, layout: Layout,
     makespan = timeline.makespan
 
     params = chunk_parameters(model, layout, costs.layers)
-    bandwidth = data_parallel_bandwidth(cluster, layout)
-    e, d = cluster.value_bytes, layout.dp
-    # distributed optimizer: reduce-scatter the gradients (hidden like an all-reduce),
-    # all-gather the updated weights after the step (exposed)
-    share = 1.0 if layout.distributed_optimizer else 2.0
-    windows = last_backwards(schedule, timeline)
-    finish = 0.0
-    for r in range(layout.pp):
-        done = 0.0
-        for c in sorted(schedule.stages_on(r), key=lambda c: windows[c][0]):
-            seconds = ring_seconds(e * params[c], d, bandwidth, cluster.latency, share)
-            done = max(done, windows[c][0]) + seconds
-        finish = max(finish, done)
-    reduce_exposed = max(0.0, finish - makespan)
     rank_params = [sum(params[c] for c in schedule.stages_on(r)) for r in range(layout.pp)]
-    busiest = max(rank_params)
-    gather = ring_seconds(e * busiest, d, bandwidth, cluster.latency, 1.0) \
-        if layout.distributed_optimizer else 0.0
+    reduction = gradient_reduction(cluster, layout, schedule, timeline, params)
     optimizer = cluster.memory_seconds(
-        ADAM_BYTES * busiest / (d if layout.distributed_optimizer else 1))
-    step = makespan + reduce_exposed + gather + optimizer
+        ADAM_BYTES * max(rank_params) / (layout.dp if layout.distributed_optimizer else 1))
+    step = makespan + reduction + optimizer
 
     memory = busiest_memory(model, cluster, layout, schedule, timeline, costs, rank_params)
     tokens = layout.global_batch * model.seq_len
@@ -133,7 +142,7 @@ def predict(model: Model, cluster: Cluster | str, layout: Layout,
     return Plan(model, cluster, layout, step, memory,
                 useful / (step * layout.gpus * cluster.peak_flops),
                 executed / (step * layout.gpus) / 1e12, timeline,
-                timeline.bubble_fraction(), makespan, reduce_exposed + gather, optimizer,
+                timeline.bubble_fraction(), makespan, reduction, optimizer,
                 comm, costs)
 
 

@@ -67,9 +67,10 @@ def divisors(n: int) -> list[int]:
 def layouts(model: Model, gpus: int, global_batch: int, schedules: tuple[str, ...],
             recompute: tuple[str, ...], micro_batches: tuple[int, ...] | None,
             flash_attention: bool) -> list[Layout | Rejected]:
-    """Every combination: tp × pp × dp = gpus, each micro-batch size dividing the batch of
-    a replica, each schedule (looped ones with every virtual_stages that splits a stage's
-    layers evenly, up to 8), recompute, sequence parallelism, distributed optimizer."""
+    """Every combination: tp × pp × dp = gpus, each micro-batch size up to 16 dividing the
+    batch of a replica, each schedule (looped ones with every virtual_stages from 2 to 8
+    that splits a stage's layers evenly; with one pipeline rank they are 1F1B, so left
+    out), recompute, sequence parallelism (tp > 1), distributed optimizer (dp > 1)."""
     out: list[Layout | Rejected] = []
     for tp in divisors(gpus):
         for pp in divisors(gpus // tp):
