@@ -1,0 +1,167 @@
+"""Seconds per action: the forward, backward and weight-gradient time of each model chunk
+for one micro-batch, and the time of each message.
+
+Every kernel is priced on a roofline (`Cluster.gemm_seconds`): matrix multiplies by their
+FLOPs, norms, softmax, dropout and activations by the bytes they read and write. That is
+why a small hidden size reaches a smaller fraction of peak: its elementwise work (∝ h per
+token) and its attention scores (∝ s per token) weigh more against its matrix multiplies
+(∝ h² per token). Tensor-parallel collectives are not overlapped with compute (Megatron-LM
+runs them in line), so they add to the action that issues them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline_lib.plan.hardware import Cluster
+from pipeline_lib.plan.model import Layout, Model, layers_per_chunk
+
+
+@dataclass(frozen=True)
+class Pass:
+    """Seconds of one pass over one layer (or the embedding, or the loss) for one
+    micro-batch: ``forward``, ``input_grad`` (I) and ``weight_grad`` (W)."""
+
+    forward: float = 0.0
+    input_grad: float = 0.0
+    weight_grad: float = 0.0
+
+    def __add__(self, other: "Pass") -> "Pass":
+        return Pass(self.forward + other.forward, self.input_grad + other.input_grad,
+                    self.weight_grad + other.weight_grad)
+
+    def __mul__(self, k: float) -> "Pass":
+        return Pass(self.forward * k, self.input_grad * k, self.weight_grad * k)
+
+
+def ring_seconds(nbytes: float, ranks: int, bandwidth: float, latency: float,
+                 fraction: float = 2.0) -> float:
+    """A ring collective over ``ranks``: each rank moves ``fraction·(n−1)/n`` of the bytes
+    (2 for an all-reduce, 1 for a reduce-scatter or an all-gather; nccl-tests
+    doc/PERFORMANCE.md) in ``fraction·(n−1)`` latency-bound steps."""
+    if ranks == 1:
+        return 0.0
+    steps = fraction * (ranks - 1)
+    return steps / ranks * nbytes / bandwidth + steps * latency
+
+
+def _gemm(cluster: Cluster, m: float, k: float, n: float) -> float:
+    e = cluster.value_bytes
+    return cluster.gemm_seconds(2 * m * k * n, e * (m * k + k * n + m * n))
+
+
+def layer_pass(model: Model, cluster: Cluster, layout: Layout) -> tuple[Pass, float]:
+    """One Transformer block on one GPU of a tensor-parallel group: its `Pass` (the
+    tensor-parallel collectives included), and the extra seconds its backward spends
+    recomputing (``layout.recompute``)."""
+    t, e = layout.tp, cluster.value_bytes
+    b, s, h, f = layout.micro_batch, model.seq_len, model.hidden, model.ffn
+    tokens = b * s
+    head = h // model.heads
+    heads = model.heads // t
+    # replicated elementwise work runs on all tokens unless the sequence is split too
+    shared = tokens / t if layout.sequence_parallel else tokens
+
+    gemms = (_gemm(cluster, tokens, h, model.qkv_width / t)
+             + _gemm(cluster, tokens, h / t, h)
+             + _gemm(cluster, tokens, h, (model.mlp_matrices - 1) * f / t)
+             + _gemm(cluster, tokens, f / t, h))
+    scores = b * heads * s * s                     # elements of the s × s score matrices
+    if layout.flash_attention:
+        # causal: the fused kernel skips the masked half; backward recomputes the scores
+        flops = 4 * scores * head / 2
+        core = Pass(cluster.gemm_seconds(flops, e * 4 * b * heads * s * head),
+                    cluster.gemm_seconds(2.5 * flops, e * 8 * b * heads * s * head))
+    else:
+        qk = cluster.gemm_seconds(2 * scores * head, e * (2 * b * heads * s * head + scores))
+        softmax_dropout = cluster.memory_seconds((2 * e + 2 * e + 1) * scores, kernels=2)
+        core = Pass(2 * qk + softmax_dropout,
+                    4 * qk + cluster.memory_seconds((3 * e + 2 * e + 1) * scores, kernels=2))
+    act_in = model.mlp_matrices * e * tokens * f / t         # GeLU: read f, write f
+    elementwise = Pass(cluster.memory_seconds(2 * 2 * e * shared * h            # 2 norms
+                                              + 2 * (3 * e + 1) * shared * h    # dropout-add
+                                              + act_in, kernels=5),
+                       cluster.memory_seconds(2 * 3 * e * shared * h
+                                              + 2 * (2 * e + 1) * shared * h
+                                              + act_in * (model.mlp_matrices + 1)
+                                              / model.mlp_matrices, kernels=5))
+    link = cluster.link_bandwidth(inter_node=t > cluster.gpus_per_node)
+    collective = 2 * ring_seconds(e * tokens * h, t, link, cluster.latency)
+    layer = Pass(gemms, gemms, gemms) + core + elementwise + Pass(collective, collective)
+    recompute = {"none": 0.0, "full": layer.forward,
+                 "selective": 0.0 if layout.flash_attention else core.forward}
+    return layer, recompute[layout.recompute]
+
+
+def embedding_pass(model: Model, cluster: Cluster, layout: Layout) -> Pass:
+    """The first chunk's extra work: look up the vocabulary-parallel embedding, all-reduce
+    it over the tensor-parallel group, add its gradient back into the table."""
+    e, tokens, h = cluster.value_bytes, layout.micro_batch * model.seq_len, model.hidden
+    link = cluster.link_bandwidth(inter_node=layout.tp > cluster.gpus_per_node)
+    reduce = ring_seconds(e * tokens * h, layout.tp, link, cluster.latency)
+    return Pass(cluster.memory_seconds((4 * e + 1) * tokens * h, kernels=2) + reduce, 0.0,
+                cluster.memory_seconds(3 * e * tokens * h, kernels=2))
+
+
+def loss_pass(model: Model, cluster: Cluster, layout: Layout) -> Pass:
+    """The last chunk's extra work: the final norm, the vocabulary projection (each GPU
+    V/t of it) and the cross-entropy over float32 logits (read, max, exp, sum: about 12
+    bytes per logit forward, 4 + e backward)."""
+    e, t = cluster.value_bytes, layout.tp
+    tokens, h = layout.micro_batch * model.seq_len, model.hidden
+    logits = tokens * model.vocab / t
+    projection = _gemm(cluster, tokens, h, model.vocab / t)
+    link = cluster.link_bandwidth(inter_node=t > cluster.gpus_per_node)
+    reduce = ring_seconds(e * tokens * h, t, link, cluster.latency)
+    norm = cluster.memory_seconds(2 * e * tokens * h)
+    return Pass(projection + norm + cluster.memory_seconds((12 + e) * logits, kernels=2),
+                projection + reduce + norm + cluster.memory_seconds((4 + e) * logits,
+                                                                    kernels=2),
+                projection)
+
+
+@dataclass(frozen=True)
+class ChunkCosts:
+    """Per model chunk (the schedule's stages, in model order): seconds of a forward, a
+    whole backward (I + W, recompute included) and its W part, for one micro-batch."""
+
+    layers: list[int]
+    forward: list[float]
+    backward: list[float]
+    weight: list[float]
+
+
+def chunk_costs(model: Model, cluster: Cluster, layout: Layout) -> ChunkCosts:
+    layer, recompute = layer_pass(model, cluster, layout)
+    layers = layers_per_chunk(model.layers, layout.chunks)
+    first, last = embedding_pass(model, cluster, layout), loss_pass(model, cluster, layout)
+    forward, backward, weight = [], [], []
+    for c, n in enumerate(layers):
+        work = layer * n
+        work += first if c == 0 else Pass()
+        work += last if c == len(layers) - 1 else Pass()
+        forward.append(work.forward)
+        backward.append(work.input_grad + work.weight_grad + n * recompute)
+        weight.append(work.weight_grad)
+    return ChunkCosts(layers, forward, backward, weight)
+
+
+def crosses_nodes(layout: Layout, cluster: Cluster) -> bool:
+    """Whether some pipeline boundary joins two nodes. Ranks are ordered tensor-parallel
+    fastest, then data-parallel, then pipeline (Megatron-LM), so consecutive stages sit
+    tp·dp ranks apart: once the job spans several nodes, some boundary is between two."""
+    return layout.pp > 1 and layout.gpus > cluster.gpus_per_node
+
+
+def message_seconds(model: Model, cluster: Cluster, layout: Layout) -> float:
+    """One activation (or its gradient) from a stage to the next: micro_batch × seq ×
+    hidden values. Megatron-LM's scatter/gather (Narayanan et al. 2021, Sec. 4.1) sends a
+    1/t slice from each tensor-parallel GPU and all-gathers it over NVLink on arrival;
+    with sequence parallelism the activation is already split."""
+    e, t = cluster.value_bytes, layout.tp
+    nbytes = e * layout.micro_batch * model.seq_len * model.hidden
+    seconds = nbytes / t / cluster.link_bandwidth(crosses_nodes(layout, cluster)) \
+        + cluster.latency
+    if t > 1 and not layout.sequence_parallel:
+        seconds += ring_seconds(nbytes, t, cluster.link_bandwidth(False), cluster.latency,
+                                fraction=1.0)
+    return seconds

@@ -1,0 +1,102 @@
+"""Clusters: the hardware numbers a plan is priced with.
+
+Each preset holds spec-sheet numbers (peak dense 16-bit FLOP/s, HBM size and bandwidth,
+NVLink and network bandwidth per GPU) and exactly two efficiency factors, the same for
+every run on that GPU type: the fraction of peak that large matrix multiplies reach, and
+the fraction of a link's (or HBM's) nominal bandwidth that a transfer reaches. Nothing
+is fitted to one run: a planner that is tuned per row predicts only its table.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A homogeneous GPU cluster. Bandwidths are bytes/s per GPU, one direction.
+
+    ``value_bytes`` is the size of one activation or weight value as trained (2 for
+    16-bit mixed precision, 4 for float32 on a CPU); ``peak_flops`` is the peak for that
+    precision. ``latency`` is the start-up time of one message (seconds).
+    ``kernel_overhead`` is what a kernel costs however small it is (seconds): on a CPU
+    running eager PyTorch, the dispatch and autograd bookkeeping of each operation, which
+    is most of a small model's step; 0 on the GPU presets, whose kernels are queued ahead
+    and start as the previous one ends.
+    """
+
+    name: str
+    peak_flops: float            # dense matrix-multiply FLOP/s of one GPU
+    hbm_bytes: float             # memory of one GPU
+    hbm_bandwidth: float         # bytes/s
+    gpus_per_node: int
+    intra_node_bandwidth: float  # bytes/s per GPU, one direction (NVLink)
+    inter_node_bandwidth: float  # bytes/s per GPU, one direction (InfiniBand / RoCE)
+    matmul_efficiency: float     # achieved fraction of peak_flops on large GEMMs
+    bandwidth_efficiency: float  # achieved fraction of every nominal bandwidth
+    latency: float = 10e-6       # seconds per message
+    value_bytes: int = 2
+    kernel_overhead: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("peak_flops", "hbm_bytes", "hbm_bandwidth", "intra_node_bandwidth",
+                     "inter_node_bandwidth"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"Cluster {self.name!r}: {name} must be a positive number, "
+                                 f"got {value!r}")
+        for name in ("matmul_efficiency", "bandwidth_efficiency"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"Cluster {self.name!r}: {name} is a fraction of the "
+                                 f"spec-sheet number, in (0, 1]; got {value!r}")
+        if self.gpus_per_node < 1 or self.value_bytes not in (2, 4) or self.latency < 0 \
+                or self.kernel_overhead < 0:
+            raise ValueError(f"Cluster {self.name!r}: need gpus_per_node >= 1, value_bytes "
+                             f"2 or 4, latency >= 0 and kernel_overhead >= 0")
+
+    def gemm_seconds(self, flops: float, nbytes: float) -> float:
+        """A roofline: a kernel takes the longer of its compute and its memory traffic."""
+        return max(flops / (self.peak_flops * self.matmul_efficiency),
+                   nbytes / (self.hbm_bandwidth * self.bandwidth_efficiency)) \
+            + self.kernel_overhead
+
+    def memory_seconds(self, nbytes: float, kernels: int = 1) -> float:
+        """Memory-bound kernels (norm, softmax, dropout, optimizer): bytes over HBM."""
+        return nbytes / (self.hbm_bandwidth * self.bandwidth_efficiency) \
+            + kernels * self.kernel_overhead
+
+    def link_bandwidth(self, inter_node: bool) -> float:
+        nominal = self.inter_node_bandwidth if inter_node else self.intra_node_bandwidth
+        return nominal * self.bandwidth_efficiency
+
+
+GB = 1e9
+
+# Efficiency factors: the achieved fraction of peak FLOP/s on matrix multiplies and of
+# nominal bandwidth on HBM and links, over a whole training step (launch gaps, loss
+# scaling, gradient-norm kernels and other unmodelled work included, which is why they
+# sit below the 80-90% that a lone large GEMM or a lone nccl-tests run reaches).
+# A100: both fitted by `pipeline_lib.plan.calibrate` on three rows of Narayanan et al.
+# 2021, Table 1 (1.7B, 18.4B and 145.6B; tests/test_plan.py names them and checks that
+# these are the fit's result). H100: the matmul factor fitted the same way on Llama 3
+# 405B at 8,192 GPUs (Dubey et al. 2024, Table 4); one run fixes only one factor, so its
+# bandwidth factor is nccl-tests' ~80% of nominal NVLink bus bandwidth (doc/PERFORMANCE.md).
+A100_MATMUL, A100_BANDWIDTH = 0.71, 0.64
+H100_MATMUL, H100_BANDWIDTH = 0.62, 0.80
+
+CLUSTERS: dict[str, Cluster] = {
+    # NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOP/s BF16/FP16 dense, 80 GB HBM2e at
+    # 2,039 GB/s, NVLink 3 600 GB/s (300 per direction); DGX A100 / Selene: 8 GPUs per
+    # node, 8 x 200 Gb/s HDR InfiniBand (25 GB/s per GPU).
+    "A100-80GB": Cluster("A100-80GB", 312e12, 80 * GB, 2039 * GB, 8, 300 * GB, 25 * GB,
+                         A100_MATMUL, A100_BANDWIDTH),
+    # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s BF16 dense, 80 GB HBM3 at 3.35 TB/s,
+    # NVLink 4 900 GB/s (450 per direction); DGX H100: 8 x 400 Gb/s NDR (50 GB/s per GPU).
+    "H100-80GB": Cluster("H100-80GB", 989e12, 80 * GB, 3350 * GB, 8, 450 * GB, 50 * GB,
+                         H100_MATMUL, H100_BANDWIDTH),
+    # H800 SXM: the H100 die (same peak and HBM3) with NVLink cut to 400 GB/s (200 per
+    # direction) for export; DeepSeek-V3 report Sec. 3.1: 8 x 400 Gb/s InfiniBand per node.
+    "H800": Cluster("H800", 989e12, 80 * GB, 3350 * GB, 8, 200 * GB, 50 * GB,
+                    H100_MATMUL, H100_BANDWIDTH),
+}
