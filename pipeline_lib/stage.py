@@ -157,7 +157,7 @@ class StageRunner:
                                f"{microbatch} ran twice, or without its forward (a graph "
                                f"from pipe(x) can be backpropagated once: no retain_graph)")
         if microbatch not in self.outputs:
-            with recomputing():
+            with recomputing(self.module):
                 return self._run(microbatch, copy=False)
         return self.outputs.pop(microbatch)
 
