@@ -37,6 +37,10 @@ def check_loss_inputs(features: Tensor, target: Tensor, chunk: int) -> None:
         raise ValueError(f"features {tuple(features.shape)} and target "
                          f"{tuple(target.shape)} disagree: expected features [B, T, D] "
                          f"for target [B, T]")
+    if target.numel() == 0:
+        raise ValueError(f"the batch is empty (target of shape {tuple(target.shape)}): a "
+                         f"mean over no token is undefined; pass at least one row and one "
+                         f"position (an empty last batch: leave it out)")
 
 
 def counted_tokens(target: Tensor, ignore_index: int = IGNORE_INDEX) -> int:
