@@ -65,7 +65,7 @@ class Pipe(nn.Module):
     autograd, so ``criterion(pipe(x), y).backward()`` trains as usual; autograd runs the
     backward, calling each stage's. ``pipe.step(x, y, loss_fn, schedule)`` runs forward
     and backward under a schedule, one thread per device, and records ``pipe.timeline``;
-    ``loss_fn`` returns a mean or a ``(loss_sum, count)`` pair (see `pipeline_lib.loss`).
+    ``loss_fn`` returns a mean or a ``SumCount(loss_sum, count)`` (see `pipeline_lib.loss`).
     Both leave no stage thread running when they fail or are interrupted.
     """
 
@@ -227,7 +227,7 @@ class Pipe(nn.Module):
 
         ``inputs`` and ``target`` are tensors or trees of them (see `microbatch.split`)
         with the same number of rows. ``loss_fn(output, target)`` returns either a
-        mean-reduced scalar or a pair ``(loss_sum, count)`` (see `pipeline_lib.loss`);
+        mean-reduced scalar or a ``SumCount(loss_sum, count)`` (see `pipeline_lib.loss`);
         parameter gradients accumulate as ``loss.backward()`` of the whole batch's loss
         would add them (mean, or Σ loss_sum / Σ count), and that loss is returned,
         detached. If the step fails or is interrupted, ``.grad`` is left as it was.
