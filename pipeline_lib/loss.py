@@ -26,6 +26,7 @@ to return, and read as a sum and a count it would divide the loss by the accurac
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Iterable, NamedTuple
 
 import torch
@@ -95,11 +96,15 @@ def micro_loss(result: Any, microbatch: int, need_grad: bool, output: Any = None
                              f"gradient, got a tensor of shape {list(count.shape)}"
                              f"{' requiring grad' if count.requires_grad else ''}")
         count = count.detach().reshape(()).to(torch.float64)
-    elif isinstance(count, (int, float)) and not isinstance(count, bool):
+    elif isinstance(count, numbers.Real) and not isinstance(count, bool):
         count = torch.tensor(float(count), dtype=torch.float64, device=loss.device)
     else:
         raise TypeError(f"{where}: SumCount's count must be a number or a one-element "
                         f"tensor, not {type(count).__name__}")
+    value = count.item()
+    if not value >= 0:
+        raise ValueError(f"{where}: SumCount's count is {value}; a count is how many "
+                         f"elements the sum adds up, a number >= 0")
     return loss.reshape(()), count
 
 

@@ -82,8 +82,8 @@ def split(batch: Any, chunks: int) -> list[Any]:
     image batch: less than one layer's activations) and also leaves the caller's tensor
     as it was. The copies keep autograd's link to the batch (``torch.clone``).
     """
-    if chunks < 1:
-        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
     size = rows(batch)
     if size == 0:
         raise ValueError(f"the batch has 0 rows (dim 0 of its tensors is 0): there is "

@@ -92,6 +92,9 @@ def v_shape(ranks: int) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------
 
 def _check_sizes(ranks: int, microbatches: int) -> None:
+    if not (_is_count(ranks) and _is_count(microbatches)):
+        raise TypeError(f"ranks and microbatches must be ints, got ranks={ranks!r}, "
+                        f"microbatches={microbatches!r}")
     if ranks < 1 or microbatches < 1:
         raise ValueError(f"need ranks >= 1 and microbatches >= 1, got ranks={ranks}, "
                          f"microbatches={microbatches}")
@@ -520,6 +523,10 @@ def _is_count(value: object) -> bool:
 
 def _check_shape(schedule: Schedule) -> None:
     """Sizes of at least 1, and one list of actions per rank: what the rest reads."""
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"expected a Schedule, got {type(schedule).__name__}; build one by "
+                        f"name with build(name, ranks, microbatches), e.g. "
+                        f"build('1f1b', 4, 8)")
     for name in ("ranks", "microbatches", "virtual_stages"):
         value = getattr(schedule, name)
         if not _is_count(value) or value < 1:

@@ -205,6 +205,9 @@ def bubble_theory(ranks: int, microbatches: int, virtual_stages: int = 1) -> flo
     """Bubble share of total time for fill-drain schedules with equal stages and B = 2F:
     (p - 1) / (v·m + p - 1); with v = 1 this is GPipe's and 1F1B's (p - 1) / (m + p - 1)."""
     p, m, v = ranks, microbatches, virtual_stages
+    if min(p, m, v) < 1:
+        raise ValueError(f"bubble_theory needs ranks, microbatches and virtual_stages >= 1, "
+                         f"got {p}, {m} and {v}")
     return (p - 1) / (v * m + p - 1)
 
 

@@ -82,3 +82,10 @@ def test_an_empty_batch_is_named_as_empty():
         with pytest.raises(ValueError, match=r"the batch is empty \(target of shape"):
             chunked_loss_backward(torch.randn(*shape, 16), model[-1],
                                   torch.zeros(shape, dtype=torch.long), chunk=2)
+
+
+def test_a_chunk_that_is_not_an_int_is_named():
+    with pytest.raises(ValueError, match=r"chunk must be a positive number of positions "
+                                         r"\(an int\), got 1.5"):
+        chunked_loss_backward(torch.randn(2, 3, 16), tiny_model()[-1],
+                              torch.zeros(2, 3, dtype=torch.long), chunk=1.5)

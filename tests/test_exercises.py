@@ -175,3 +175,15 @@ def test_make_student_on_a_full_disk_leaves_no_half_notebook(tmp_path, monkeypat
     assert sorted(p.name for p in tmp_path.iterdir()) == \
         sorted(nb.name for nb in NOTEBOOKS if nb.name != missing.name)   # no temporary left
     assert f"could not write {missing}" in err and "free some space" in err, err
+
+
+def test_make_student_refuses_a_file_or_the_instructor_folder(tmp_path, capsys):
+    """A file where the folder goes gave a raw FileExistsError."""
+    afile = tmp_path / "student"
+    afile.write_text("")
+    for out, says in [(afile, "cannot make the folder"),
+                      (ROOT / "notebooks", "holds the instructor versions")]:
+        with pytest.raises(SystemExit) as exit_:
+            make_student([str(out)])
+        assert exit_.value.code == 2
+        assert says in capsys.readouterr().err

@@ -126,3 +126,21 @@ def test_a_nan_mean_from_nan_outputs_is_passed_on_as_unpipelined():
         model[-1].bias.fill_(float("nan"))
     loss = Pipe(model, chunks=2, balance=[2, 2]).step(inputs, target, token_mean)
     assert torch.isnan(loss) and torch.isnan(token_mean(model(inputs), target))
+
+
+def test_a_count_may_be_any_real_number_but_not_negative_or_nan():
+    """numpy's integers were refused as "not a number"; a negative or NaN count was
+    reported as a batch of padding only."""
+    import numpy as np
+    inputs, target = padded_batch()
+    reference, expected = unpipelined()
+    model = token_model()
+    pipe = Pipe(model, chunks=2, balance=[2, 2])
+    loss = pipe.step(inputs, target, lambda out, t: SumCount(token_sum(out, t)[0],
+                                                             np.int64((t != PAD).sum())))
+    torch.testing.assert_close(loss, expected)
+    assert_same_grads(model, reference)
+    for count in (-3.0, float("nan")):
+        with pytest.raises(ValueError, match=f"SumCount's count is {count}; a count is how "
+                                             f"many elements"):
+            pipe.step(inputs, target, lambda out, t: SumCount(token_sum(out, t)[0], count))

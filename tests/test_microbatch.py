@@ -153,3 +153,10 @@ def test_an_inplace_first_layer_on_stage_0(balance, schedule, checkpoint):
         torch.nn.functional.cross_entropy(pipe(leaf * 1), y).backward()
         torch.testing.assert_close(leaf.grad, input_grad)
     assert torch.equal(x, kept)             # the caller's batch is left as it was
+
+
+@pytest.mark.parametrize("chunks", [True, 2.0])
+def test_chunks_must_be_an_int(chunks):
+    """tensor_split's own error listed its overloads."""
+    with pytest.raises(ValueError, match=r"chunks must be an int >= 1, got (True|2.0)"):
+        split(torch.zeros(4, 2), chunks)

@@ -247,3 +247,17 @@ def test_simulate_validates_the_placement_before_reading_it():
     s.placement = (0, 1)                         # 2 entries for 4 stages: was an IndexError
     with pytest.raises(ScheduleError, match=r"placement \[0, 1\] must give a rank"):
         simulate(s)
+
+
+def test_what_is_not_a_schedule_is_named():
+    """A schedule's name where a Schedule is expected gave AttributeError: 'str' object
+    has no attribute 'ranks'."""
+    for call in (validate, simulate):
+        with pytest.raises(TypeError, match=r"expected a Schedule, got str; build one by "
+                                            r"name with build\(name, ranks, microbatches\)"):
+            call("gpipe")
+    with pytest.raises(TypeError, match="ranks and microbatches must be ints"):
+        build("gpipe", True, 4)                    # was a GPipe of True ranks
+    with pytest.raises(ValueError, match="bubble_theory needs ranks, microbatches and "
+                                         "virtual_stages >= 1, got 1, 0 and 1"):
+        bubble_theory(1, 0)                        # was ZeroDivisionError

@@ -58,7 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", nargs="?", type=Path, default=ROOT / "student",
                         help="folder to write them into (default: student/)")
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    if args.out.resolve() == (ROOT / "notebooks").resolve():
+        parser.error(f"{args.out} holds the instructor versions, which the student "
+                     f"versions are made from; write them elsewhere (default: student/)")
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        parser.error(f"cannot make the folder {args.out} ({error.strerror or error}); give "
+                     f"a folder you can write, or a path where one can be made")
     kept = []
     for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
         path = args.out / notebook.name

@@ -31,8 +31,9 @@ IGNORE_INDEX = -100   # F.cross_entropy's default: a target equal to it counts f
 def check_loss_inputs(features: Tensor, target: Tensor, chunk: int) -> None:
     """Raise a ValueError that says what to fix if ``features``, ``target`` and ``chunk``
     cannot go through `chunked_loss_backward` (checked before any work is split up)."""
-    if chunk < 1:
-        raise ValueError(f"chunk must be a positive number of positions, got {chunk}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive number of positions (an int), got "
+                         f"{chunk!r}")
     if features.shape[:-1] != target.shape:
         raise ValueError(f"features {tuple(features.shape)} and target "
                          f"{tuple(target.shape)} disagree: expected features [B, T, D] "
