@@ -53,6 +53,8 @@ class Pipe(nn.Module):
       gradient straight back. They are checked here: mismatches raise `SkipError`.
     * ``deferred_batch_norm=True``: BatchNorm layers become `DeferredBatchNorm`, whose
       running statistics are updated once per mini-batch, as without micro-batches.
+      Without it they are updated once per micro-batch; checkpointing adds no update (a
+      replay puts them back as it found them, see `pipeline_lib.checkpoint`).
     * Stages stay on their devices: moving the Pipe (``.cuda()``, ``.to(device)``)
       raises `TypeError`; a dtype conversion (``.double()``) is fine.
     * With a stage on the CPU, building a Pipe sets glibc's allocator, process-wide and
