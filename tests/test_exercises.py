@@ -132,6 +132,7 @@ def test_make_student_again_keeps_the_learners_answers(tmp_path, capsys):
     assert answered.read_bytes() == mine
     assert f"kept {answered}" in out and "not overwritten" in out, out
     assert f"wrote {tmp_path / NOTEBOOKS[1].name}" in out, out
+    assert f"up to date: {tmp_path / NOTEBOOKS[2].name}" in out, out
     assert sorted(p.name for p in tmp_path.iterdir()) == [nb.name for nb in NOTEBOOKS]
 
 

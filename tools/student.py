@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         if not text.endswith("\n"):
             text += "\n"
         if path.exists():
-            if path.read_text(encoding="utf8") != text:
+            if path.read_text(encoding="utf8") == text:
+                print(f"up to date: {path}")
+            else:
                 kept.append(path)
                 print(f"kept {path}: it differs from a fresh student version (your answers?), "
                       f"so it was not overwritten")
