@@ -60,14 +60,11 @@ class Pipe(nn.Module):
       gradient straight back. They are checked here: mismatches raise `SkipError`.
     * ``deferred_batch_norm=True``: BatchNorm layers become `DeferredBatchNorm`, whose
       running statistics are updated once per mini-batch, as without micro-batches.
-<<<<<<< HEAD
+      Without it they are updated once per micro-batch; checkpointing adds no update (a
+      replay puts them back as it found them, see `pipeline_lib.checkpoint`).
     * Stage threads run under the caller's thread-local modes: ``torch.autocast``,
       saved-tensor hooks (``torch.autograd.graph.save_on_cpu``), grad and inference
       mode, the thread count (see `pipeline_lib.thread_state`).
-=======
-      Without it they are updated once per micro-batch; checkpointing adds no update (a
-      replay puts them back as it found them, see `pipeline_lib.checkpoint`).
->>>>>>> robust-misc
     * Stages stay on their devices: moving the Pipe (``.cuda()``, ``.to(device)``)
       raises `TypeError`; a dtype conversion (``.double()``) is fine.
     * With a stage on the CPU, building a Pipe sets glibc's allocator, process-wide and
