@@ -56,7 +56,9 @@ from pipeline_lib.lm.loops import lm_loss
 from pipeline_lib.course.workers import results
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-pytorch_schedule = pytorch_schedules.pytorch_schedule   # notebook 06 imports it from here
+# copies of notebook 06 handed out before it moved to pipeline_lib.course.pytorch_schedules
+# import it from here
+pytorch_schedule = pytorch_schedules.pytorch_schedule
 SPLITS = ("manual", "tracer")
 RESULTS = "rank"   # each process saves WORKDIR/SCHEDULE-SPLIT/rank{rank}.pt
 
@@ -341,12 +343,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not (args.workdir / "setup.pt").exists():
         parser.error(f"{args.workdir} has no setup.pt: write one with "
                      f"write_pipelining_setup()")
-    setup = torch.load(args.workdir / "setup.pt")
-    device = worker_device()
     if args.mesh is not None:
         pp, _, dp = args.mesh.partition("x")
         if not (pp.isdigit() and dp.isdigit() and int(pp) >= 1 and int(dp) >= 1):
             parser.error(f"--mesh {args.mesh!r}: write PPxDP, e.g. 2x2")
+    setup = torch.load(args.workdir / "setup.pt")
+    device = worker_device()
+    if args.mesh is not None:
         with process_group():
             folder = args.workdir / MESH
             folder.mkdir(exist_ok=True)
