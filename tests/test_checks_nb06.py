@@ -364,3 +364,19 @@ def test_6_1_under_torchrun_counts_the_real_sends(tmp_path, monkeypatch, body, s
     else:
         with pytest.raises(ExerciseFailed, match=says):
             nb06.verify_send_recv(results)
+
+
+def test_notebook_06_binds_no_name_to_the_reference_solution_before_its_check():
+    """`pytorch_schedule` is 6.2's answer: the notebook reaches it only through its module
+    (which the check withholds), never as a name of its own a learner could call."""
+    import re
+    from pathlib import Path
+
+    import nbformat
+    path = Path(__file__).resolve().parents[1] / "notebooks" / "06_torch_pipelining.ipynb"
+    cells = nbformat.read(path, as_version=4).cells
+    check = next(i for i, cell in enumerate(cells)
+                 if cell.metadata.get("nbgrader", {}).get("grade_id") == "ex-6-2-check")
+    bare = re.compile(r"(?<![\w.])pytorch_schedule\b")
+    assert not [i for i, cell in enumerate(cells[:check])
+                if cell.cell_type == "code" and bare.search(cell.source)]
