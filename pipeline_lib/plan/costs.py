@@ -73,17 +73,24 @@ def layer_pass(model: Model, cluster: Cluster, layout: Layout) -> tuple[Pass, fl
                     cluster.gemm_seconds(2.5 * flops, e * 8 * b * heads * s * head))
     else:
         qk = cluster.gemm_seconds(2 * scores * head, e * (2 * b * heads * s * head + scores))
-        softmax_dropout = cluster.memory_seconds((2 * e + 2 * e + 1) * scores, kernels=2)
-        core = Pass(2 * qk + softmax_dropout,
-                    4 * qk + cluster.memory_seconds((3 * e + 2 * e + 1) * scores, kernels=2))
+        # softmax: read e, write e per score; dropout: read e, write e and a 1-byte mask
+        drop = model.dropout
+        softmax = cluster.memory_seconds((2 * e + (2 * e + 1) * drop) * scores,
+                                         kernels=1 + drop)
+        core = Pass(2 * qk + softmax,
+                    4 * qk + cluster.memory_seconds((3 * e + (2 * e + 1) * drop) * scores,
+                                                    kernels=1 + drop))
     act_in = model.mlp_matrices * e * tokens * f / t         # GeLU: read f, write f
+    # each residual add reads two values and writes one; with dropout, also a mask,
+    # and its backward applies the mask (without, the add's gradient passes through)
+    drop = model.dropout
     elementwise = Pass(cluster.memory_seconds(2 * 2 * e * shared * h            # 2 norms
-                                              + 2 * (3 * e + 1) * shared * h    # dropout-add
+                                              + 2 * (3 * e + drop) * shared * h  # (dropout-)add
                                               + act_in, kernels=5),
                        cluster.memory_seconds(2 * 3 * e * shared * h
-                                              + 2 * (2 * e + 1) * shared * h
+                                              + 2 * (2 * e + 1) * drop * shared * h
                                               + act_in * (model.mlp_matrices + 1)
-                                              / model.mlp_matrices, kernels=5))
+                                              / model.mlp_matrices, kernels=3 + 2 * drop))
     link = cluster.link_bandwidth(inter_node=t > cluster.gpus_per_node)
     collective = 2 * ring_seconds(e * tokens * h, t, link, cluster.latency)
     layer = Pass(gemms, gemms, gemms) + core + elementwise + Pass(collective, collective)
