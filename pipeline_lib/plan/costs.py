@@ -10,7 +10,7 @@ runs them in line), so they add to the action that issues them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipeline_lib.plan.hardware import Cluster
 from pipeline_lib.plan.model import Layout, Model, layers_per_chunk
@@ -137,10 +137,34 @@ class ChunkCosts:
     weight: list[float]
 
 
+def dispatch_pass(ops: tuple[int, int], cluster: Cluster) -> Pass:
+    """The fixed cost of ``ops`` = (forward, backward) dispatched operations; the backward's
+    counts as the input gradient's (the eager executors run B whole)."""
+    forward, backward = ops
+    return Pass(forward * cluster.kernel_overhead, backward * cluster.kernel_overhead)
+
+
+def passes(model: Model, cluster: Cluster, layout: Layout) -> tuple[Pass, float, Pass, Pass]:
+    """A block's `Pass` and recompute seconds, the embedding's and the head's `Pass`. With
+    counted ``model.dispatches`` the roofline prices each kernel's bytes and FLOPs only and
+    every counted operation adds ``kernel_overhead``; otherwise each structural kernel
+    of the roofline carries it."""
+    counted = model.dispatches
+    roofline = replace(cluster, kernel_overhead=0.0) if counted else cluster
+    layer, recompute = layer_pass(model, roofline, layout)
+    first, last = embedding_pass(model, roofline, layout), loss_pass(model, roofline, layout)
+    if counted:
+        block = dispatch_pass(counted.block, cluster)
+        recompute += block.forward if layout.recompute == "full" else 0.0
+        layer += block
+        first += dispatch_pass(counted.embedding, cluster)
+        last += dispatch_pass(counted.head, cluster)
+    return layer, recompute, first, last
+
+
 def chunk_costs(model: Model, cluster: Cluster, layout: Layout) -> ChunkCosts:
-    layer, recompute = layer_pass(model, cluster, layout)
+    layer, recompute, first, last = passes(model, cluster, layout)
     layers = layers_per_chunk(model.layers, layout.chunks)
-    first, last = embedding_pass(model, cluster, layout), loss_pass(model, cluster, layout)
     forward, backward, weight = [], [], []
     for c, n in enumerate(layers):
         work = layer * n

@@ -10,6 +10,27 @@ RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
+class Dispatches:
+    """Operations an eager framework dispatches for one micro-batch, as (forward,
+    backward) counts: of one block, of the embedding, and of the head (final norm,
+    vocabulary projection and loss). Counted on the real modules, once
+    (`pipeline_lib.plan.local.count_dispatches`): on a CPU each costs
+    `Cluster.kernel_overhead` however small it is, which is most of a small model's step.
+    Without them a `Model` is priced as the fused kernels a GPU framework queues ahead."""
+
+    block: tuple[int, int]
+    embedding: tuple[int, int]
+    head: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        for name in ("block", "embedding", "head"):
+            value = getattr(self, name)
+            if len(value) != 2 or any(not isinstance(n, int) or n < 0 for n in value):
+                raise ValueError(f"Dispatches: {name} must be (forward, backward) counts of "
+                                 f"operations, two integers >= 0; got {value!r}")
+
+
+@dataclass(frozen=True)
 class Model:
     """A GPT-style decoder: ``layers`` blocks of attention + MLP, a vocabulary projection.
 
@@ -17,7 +38,9 @@ class Model:
     matrices of ``hidden × ffn_hidden``; Llama) instead of two (GPT). ``dropout``: whether
     the blocks drop out (GPT-2/3 and Megatron-LM's GPTs do, after the attention softmax
     and before each residual add; Llama does not), which decides whether the backward
-    keeps dropout masks (Korthikanti et al. 2022, Sec. 4.1)."""
+    keeps dropout masks (Korthikanti et al. 2022, Sec. 4.1). ``dispatches``: the
+    operations its implementation dispatches per pass (`Dispatches`), for a CPU's
+    per-operation cost; None prices the structural kernels only."""
 
     layers: int
     hidden: int
@@ -28,6 +51,7 @@ class Model:
     kv_heads: int | None = None
     gated_mlp: bool = False
     dropout: bool = True
+    dispatches: Dispatches | None = None
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq_len", "vocab", "ffn_hidden", "kv_heads"):

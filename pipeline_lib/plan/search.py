@@ -11,8 +11,7 @@ import itertools
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
-from pipeline_lib.plan.costs import (Pass, embedding_pass, layer_pass, loss_pass,
-                                     message_seconds, ring_seconds)
+from pipeline_lib.plan.costs import Pass, message_seconds, passes, ring_seconds
 from pipeline_lib.plan.hardware import GiB, Cluster
 from pipeline_lib.plan.memory import layer_activation_bytes, logits_bytes, state_bytes
 from pipeline_lib.plan.model import RECOMPUTE, Layout, Model, check_fits, layers_per_chunk
@@ -163,9 +162,8 @@ def _layer_costs(model: Model, cluster: Cluster, tp: int, micro_batch: int, reco
     layout = Layout(tp=tp, micro_batch=micro_batch, global_batch=micro_batch,
                     recompute=recompute, sequence_parallel=sequence_parallel,
                     flash_attention=flash_attention)
-    layer, recompute_seconds = layer_pass(model, cluster, layout)
-    ends = embedding_pass(model, cluster, layout) + loss_pass(model, cluster, layout)
-    return layer, recompute_seconds, ends
+    layer, recompute_seconds, first, last = passes(model, cluster, layout)
+    return layer, recompute_seconds, first + last
 
 
 def search(model: Model, cluster: Cluster | str, gpus: int, global_batch: int, *,
