@@ -1,6 +1,7 @@
 """The planner (`pipeline_lib.plan`): how fast its search is, and how well it predicts.
 
     python bench/bench_plan.py                 # search time for every Narayanan et al. row
+    python bench/bench_plan.py --unseen        # published runs that no test names
     python bench/bench_plan.py --local --quick # this machine measured; bench_distributed's
     python bench/bench_plan.py --local         #   runs and notebook 03's step, predicted and
                                                #   run (minutes; quiet machine!)
@@ -195,6 +196,50 @@ def bench_local(quick: bool, steps: int | None, rounds: int) -> None:
               f"{r['predicted_s']:>12.4f} {r['error']:>+7.1%}")
 
 
+# Published runs that no test names (issue 28: the planner will be checked on such runs).
+# Smith et al. 2022, "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B",
+# Sec. 2.4: 105 layers, h 20480, 128 heads, s 2048, vocabulary 50,272 (GPT-2's, padded),
+# t 8, p 35, global batch 1,920, on 280 / 350 / 420 DGX A100 40GB servers: 60.1 / 50.2 /
+# 44.4 s per iteration. DeepSpeed's pipeline engine (1F1B, one stage per rank), activation
+# checkpointing, ZeRO stage 1; micro-batch 1 assumed.
+MT_NLG = Model(layers=105, hidden=20480, heads=128, seq_len=2048, vocab=50272)
+MT_NLG_RUNS = ((2240, 60.1), (2800, 50.2), (3360, 44.4))
+# Korthikanti et al. 2022, abstract: the 530B GPT on 2,240 A100s reaches 42.1% model FLOPs
+# utilisation with full recompute, 54.2% with selective recompute and sequence parallelism.
+# The model is Narayanan et al.'s 529.6B row (t 8, p 35, v 3); dp = 2240 / 280 = 8; the
+# global batch is not in the abstract (2,240 assumed: MFU hardly depends on it here).
+KORTHIKANTI_530B = Model(layers=105, hidden=20480, heads=128, seq_len=2048, vocab=51200)
+
+
+def bench_unseen() -> None:
+    a100_40 = replace(CLUSTERS["A100-80GB"], name="A100-40GB", hbm_bytes=40960 * 2 ** 20,
+                      hbm_bandwidth=1555e9)       # A100 40GB datasheet: HBM2 at 1,555 GB/s
+    rows = []
+    for gpus, published in MT_NLG_RUNS:
+        layout = Layout(tp=8, pp=35, dp=gpus // 280, micro_batch=1, global_batch=1920,
+                        recompute="full", distributed_optimizer=True)
+        plan = predict(MT_NLG, a100_40, layout)
+        rows.append(dict(run=f"MT-NLG 530B, {gpus} GPUs", measure="s per step",
+                         published=published, predicted=plan.step_time,
+                         memory_gib=plan.memory / 2 ** 30))
+    for name, recompute, sp, published in (("full recompute", "full", False, 0.421),
+                                           ("selective + SP", "selective", True, 0.542)):
+        layout = Layout(tp=8, pp=35, dp=8, micro_batch=1, global_batch=2240,
+                        virtual_stages=3, schedule="interleaved_1f1b", recompute=recompute,
+                        sequence_parallel=sp)
+        plan = predict(KORTHIKANTI_530B, CLUSTERS["A100-80GB"], layout)
+        rows.append(dict(run=f"Korthikanti 530B, 2240 GPUs, {name}", measure="MFU",
+                         published=published, predicted=plan.mfu,
+                         memory_gib=plan.memory / 2 ** 30))
+    for r in rows:
+        r["error"] = r["predicted"] / r["published"] - 1
+        print(json.dumps(r))
+    print(f"\n{'run':<46} {'measure':>10} {'published':>10} {'predicted':>10} {'error':>7}")
+    for r in rows:
+        print(f"{r['run']:<46} {r['measure']:>10} {r['published']:>10.3f} "
+              f"{r['predicted']:>10.3f} {r['error']:>+7.1%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--local", action="store_true",
@@ -204,8 +249,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="with --local: rounds of (measure the machine, time the runs)")
     parser.add_argument("--repeats", type=int, default=3, help="searches of the 1T row")
+    parser.add_argument("--unseen", action="store_true",
+                        help="published runs that no test names: MT-NLG, Korthikanti 530B")
     args = parser.parse_args()
-    if args.local:
+    if args.unseen:
+        bench_unseen()
+    elif args.local:
         bench_local(args.quick, args.steps, args.rounds)
     else:
         bench_search(args.repeats)
