@@ -60,7 +60,7 @@ def bench_search(repeats: int) -> None:
                    search_times_s=times, layouts=len(result.ranked),
                    rejected=len(result.rejected), measured_step_s=run.step_time,
                    published_predicted_s=published.step_time, best_predicted_s=best.step_time,
-                   best_memory_gb=best.memory / 1e9,
+                   best_memory_gib=best.memory / 2 ** 30,
                    differs=differences(best.layout, run.layout))
         rows.append(row)
         print(json.dumps(row))
