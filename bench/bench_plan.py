@@ -11,10 +11,10 @@ is the issue's target: under 10 s on 2 cores), ``--repeats`` times, the median k
 each, the published layout's predicted step and the best found, and how they differ.
 
 Local: ``--rounds`` rounds, each measuring this machine (`measure_local_cluster`: the
-model's own matrix multiplies at its micro-batch's shapes, a copy, a chain of tiny
-operations per dispatched operation, gloo sends or a thread hand-off; medians, like the
-steps) and then timing the runs, so that measurements and steps see the machine alike;
-each prediction is priced with the rounds' median numbers and the operations the real
+model's own matrix multiplies at its micro-batch's shapes, a copy, the cost per
+dispatched operation of the model's own block at one token, gloo sends or a thread
+hand-off; medians, like the steps) and then timing the runs, so that measurements and
+steps see the machine alike; each prediction is priced with the rounds' median numbers and the operations the real
 modules dispatch, counted once (`count_dispatches`). The runs: bench/bench_distributed.py's
 (2 ranks × 1 thread, GPipe and 1F1B, m = 4 and 8, its "pipeline_lib" rows) and notebook
 03's "pipelined" step (threaded `Pipe`, 2 stage threads, "cpu" preset with dropout,
@@ -108,6 +108,7 @@ def bench_distributed_runs(quick: bool, steps: int | None, rounds: int) -> list[
     torch.set_num_threads(1)
     microbatches = [4, 8]
     inputs, target = batch(config)
+    block = build(config)[1]
     models = {m: counted(base, build(config), inputs[:config.batch // m],
                          target[:config.batch // m], lm_loss) for m in microbatches}
     balance = even_split(config.layers)
@@ -118,7 +119,8 @@ def bench_distributed_runs(quick: bool, steps: int | None, rounds: int) -> list[
     stage_s: dict[tuple[str, int], list[list[float]]] = {}
     for _ in range(rounds):
         for m in microbatches:
-            clusters[m].append(measure_local_cluster(1, 2, models[m], config.batch // m))
+            clusters[m].append(measure_local_cluster(1, 2, models[m], config.batch // m,
+                                                     block=block))
         for run in launch_ranks(config, balance, args):
             if run["impl"] == "pipeline_lib":
                 measured.setdefault((run["schedule"], run["m"]), []).extend(run["steps_s"])
@@ -170,7 +172,8 @@ def notebook03_run(steps: int, rounds: int) -> list[dict]:
     times, clusters = [], []
     pipe.step(inputs, targets, lm_loss)                       # warm up
     for _ in range(rounds):
-        clusters.append(measure_local_cluster(1, 2, model, micro, transport="threads"))
+        clusters.append(measure_local_cluster(1, 2, model, micro, transport="threads",
+                                              block=torch_model[1]))
         for _ in range(steps):
             start = time.perf_counter()
             pipe.step(inputs, targets, lm_loss)

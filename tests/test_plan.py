@@ -384,3 +384,20 @@ def test_search_ranks_by_time_and_gives_every_rejection_a_reason():
     assert "needs" in reasons                               # too big for 80 GB
     assert any("does not divide heads" in r.reason for r in result.rejected)   # tp 64
     assert all(r.reason for r in result.rejected)
+
+
+# -- small micro-batches: weight-sized traffic -------------------------------------------------
+
+def test_weight_gradient_reads_the_gradient_it_accumulates_into():
+    """On a machine whose multiplies are free, a block's weight-gradient pass is its four
+    multiplies' bytes: the activations read, the k × n gradient written and the k × n
+    sum over micro-batches read (Megatron-LM's and autograd's accumulation alike)."""
+    from pipeline_lib.plan.costs import layer_pass
+    free = replace(A100, peak_flops=1e30, kernel_overhead=0.0)
+    model = Model(layers=2, hidden=64, heads=4, seq_len=8, vocab=100, ffn_hidden=256)
+    layer, _ = layer_pass(model, free, Layout(micro_batch=2, global_batch=2))
+    m, h, f, e = 16, 64, 256, 2
+    shapes = [(m, h, 3 * h), (m, h, h), (m, h, f), (m, f, h)]
+    bandwidth = free.hbm_bandwidth * free.bandwidth_efficiency
+    assert layer.weight_grad == pytest.approx(
+        sum(e * (a * k + 2 * k * n + a * n) for a, k, n in shapes) / bandwidth)

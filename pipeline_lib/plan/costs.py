@@ -44,9 +44,22 @@ def ring_seconds(nbytes: float, ranks: int, bandwidth: float, latency: float,
     return steps / ranks * nbytes / bandwidth + steps * latency
 
 
-def _gemm(cluster: Cluster, m: float, k: float, n: float) -> float:
+def _gemm(cluster: Cluster, m: float, k: float, n: float, accumulate: bool = False) -> float:
+    """An (m × k) · (k × n) multiply with k × n weights. Its weight gradient (``accumulate``)
+    also reads the k × n gradient it adds into, the sum over micro-batches: at a small
+    micro-batch, weight-sized traffic that no activation-sized count shows."""
     e = cluster.value_bytes
-    return cluster.gemm_seconds(2 * m * k * n, e * (m * k + k * n + m * n))
+    return cluster.gemm_seconds(2 * m * k * n, e * (m * k + (1 + accumulate) * k * n + m * n))
+
+
+def _block_gemms(model: Model, cluster: Cluster, tokens: float, t: int,
+                 accumulate: bool = False) -> float:
+    """A block's four projections: query-key-value, output, MLP up (and gate), MLP down."""
+    h, f = model.hidden, model.ffn
+    return (_gemm(cluster, tokens, h, model.qkv_width / t, accumulate)
+            + _gemm(cluster, tokens, h / t, h, accumulate)
+            + _gemm(cluster, tokens, h, (model.mlp_matrices - 1) * f / t, accumulate)
+            + _gemm(cluster, tokens, f / t, h, accumulate))
 
 
 def layer_pass(model: Model, cluster: Cluster, layout: Layout) -> tuple[Pass, float]:
@@ -61,10 +74,8 @@ def layer_pass(model: Model, cluster: Cluster, layout: Layout) -> tuple[Pass, fl
     # replicated elementwise work runs on all tokens unless the sequence is split too
     shared = tokens / t if layout.sequence_parallel else tokens
 
-    gemms = (_gemm(cluster, tokens, h, model.qkv_width / t)
-             + _gemm(cluster, tokens, h / t, h)
-             + _gemm(cluster, tokens, h, (model.mlp_matrices - 1) * f / t)
-             + _gemm(cluster, tokens, f / t, h))
+    gemms = _block_gemms(model, cluster, tokens, t)
+    weight_gemms = _block_gemms(model, cluster, tokens, t, accumulate=True)
     scores = b * heads * s * s                     # elements of the s × s score matrices
     if layout.flash_attention:
         # causal: the fused kernel skips the masked half; backward recomputes the scores
@@ -93,7 +104,7 @@ def layer_pass(model: Model, cluster: Cluster, layout: Layout) -> tuple[Pass, fl
                                               / model.mlp_matrices, kernels=3 + 2 * drop))
     link = cluster.link_bandwidth(inter_node=t > cluster.gpus_per_node)
     collective = 2 * ring_seconds(e * tokens * h, t, link, cluster.latency)
-    layer = Pass(gemms, gemms, gemms) + core + elementwise + Pass(collective, collective)
+    layer = Pass(gemms, gemms, weight_gemms) + core + elementwise + Pass(collective, collective)
     recompute = {"none": 0.0, "full": layer.forward,
                  "selective": 0.0 if layout.flash_attention else core.forward}
     return layer, recompute[layout.recompute]
@@ -101,12 +112,15 @@ def layer_pass(model: Model, cluster: Cluster, layout: Layout) -> tuple[Pass, fl
 
 def embedding_pass(model: Model, cluster: Cluster, layout: Layout) -> Pass:
     """The first chunk's extra work: look up the vocabulary-parallel embedding, all-reduce
-    it over the tensor-parallel group, add its gradient back into the table."""
+    it over the tensor-parallel group, add its gradient back into the table. That gradient
+    is dense (V/t × h): zeroed and written, then added into the accumulated one (read
+    two, write one), whatever few rows the micro-batch touched."""
     e, tokens, h = cluster.value_bytes, layout.micro_batch * model.seq_len, model.hidden
     link = cluster.link_bandwidth(inter_node=layout.tp > cluster.gpus_per_node)
     reduce = ring_seconds(e * tokens * h, layout.tp, link, cluster.latency)
+    table = model.vocab * h / layout.tp
     return Pass(cluster.memory_seconds((4 * e + 1) * tokens * h, kernels=2) + reduce, 0.0,
-                cluster.memory_seconds(3 * e * tokens * h, kernels=2))
+                cluster.memory_seconds(3 * e * tokens * h + 4 * e * table, kernels=3))
 
 
 def loss_pass(model: Model, cluster: Cluster, layout: Layout) -> Pass:
@@ -123,7 +137,7 @@ def loss_pass(model: Model, cluster: Cluster, layout: Layout) -> Pass:
     return Pass(projection + norm + cluster.memory_seconds((12 + e) * logits, kernels=2),
                 projection + reduce + norm + cluster.memory_seconds((4 + e) * logits,
                                                                     kernels=2),
-                projection)
+                _gemm(cluster, tokens, h, model.vocab / t, accumulate=True))
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import statistics
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -31,8 +32,9 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pipeline_lib.plan.costs import layer_pass
 from pipeline_lib.plan.hardware import Cluster
-from pipeline_lib.plan.model import Dispatches, Model
+from pipeline_lib.plan.model import Dispatches, Layout, Model
 
 
 def _median_seconds(run, repeats: int) -> float:
@@ -129,6 +131,24 @@ def kernel_overhead(chain: int = 200, threads: int = 1, repeats: int = 7) -> flo
         torch.set_num_threads(before)
 
 
+def block_overhead(block: nn.Module, model: Model, cluster: Cluster,
+                   repeats: int = 7) -> float:
+    """Seconds per dispatched operation of ``model``'s own ``block``, forward and backward
+    at one token: its measured time, less what the roofline prices at that size (mostly
+    its weights' traffic), over the operations it dispatches. Unlike a chain of bare
+    operations this includes what the block's modules do in Python around each one
+    (argument checks, module calls), which a small model pays on every operation."""
+    x = torch.randn(1, 1, model.hidden, requires_grad=True)
+
+    def run() -> None:
+        block(x).sum().backward()
+    seconds = _median_seconds(run, repeats)
+    layer, _ = layer_pass(replace(model, seq_len=1, dispatches=None),
+                          replace(cluster, kernel_overhead=0.0), Layout(flash_attention=True))
+    priced = layer.forward + layer.input_grad + layer.weight_grad
+    return max(seconds - priced, 0.0) / dispatched(run)
+
+
 def model_matmul_flops(model: Model, micro_batch: int, threads: int = 1,
                        repeats: int = 7) -> float:
     """FLOP/s of ``model``'s own forward matrix multiplies at ``micro_batch`` sequences
@@ -215,12 +235,15 @@ def gloo_send(nbytes: int = 16 * 2 ** 20, repeats: int = 7) -> tuple[float, floa
 
 
 def measure_local_cluster(threads: int = 1, ranks: int = 2, model: Model | None = None,
-                          micro_batch: int = 1, transport: str = "gloo") -> Cluster:
+                          micro_batch: int = 1, transport: str = "gloo",
+                          block: nn.Module | None = None) -> Cluster:
     """This machine as a cluster of ``ranks`` CPU processes (``transport="gloo"``,
     bench/bench_distributed.py) or stage threads of one process (``"threads"``, the
     threaded `Pipe`), ``threads`` intra-op threads each, float32, one node, its memory
     shared by the ranks. With ``model``, the peak FLOP/s is that of its own matrix
-    multiplies at ``micro_batch`` sequences (`model_matmul_flops`), else of one large one."""
+    multiplies at ``micro_batch`` sequences (`model_matmul_flops`), else of one large one;
+    with its torch ``block`` too, the cost per operation is that block's
+    (`block_overhead`), else a chain of bare operations' (`kernel_overhead`)."""
     if transport not in ("gloo", "threads"):
         raise ValueError(f"transport must be 'gloo' (processes) or 'threads', not {transport!r}")
     bandwidth = memory_bandwidth(threads=threads)
@@ -231,7 +254,16 @@ def measure_local_cluster(threads: int = 1, ranks: int = 2, model: Model | None 
     peak = matmul_flops(threads=threads) if model is None else \
         model_matmul_flops(model, micro_batch, threads=threads)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks
-    return Cluster("this machine", peak_flops=peak, hbm_bytes=memory, hbm_bandwidth=bandwidth,
-                   gpus_per_node=ranks, intra_node_bandwidth=link, inter_node_bandwidth=link,
-                   matmul_efficiency=1.0, bandwidth_efficiency=1.0, latency=latency,
-                   value_bytes=4, kernel_overhead=kernel_overhead(threads=threads))
+    cluster = Cluster("this machine", peak_flops=peak, hbm_bytes=memory,
+                      hbm_bandwidth=bandwidth, gpus_per_node=ranks,
+                      intra_node_bandwidth=link, inter_node_bandwidth=link,
+                      matmul_efficiency=1.0, bandwidth_efficiency=1.0, latency=latency,
+                      value_bytes=4, kernel_overhead=kernel_overhead(threads=threads))
+    if model is None or block is None:
+        return cluster
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return replace(cluster, kernel_overhead=block_overhead(block, model, cluster))
+    finally:
+        torch.set_num_threads(before)
