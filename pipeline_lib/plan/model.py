@@ -122,7 +122,9 @@ class Layout:
     ``distributed_optimizer`` shards the optimizer states over the ``dp`` replicas
     (ZeRO stage 1, Megatron-LM's distributed optimizer); ``shard_gradients`` the
     gradients as well (ZeRO stage 2; Llama 3's FSDP, Dubey et al. 2024, Sec. 3.3.1): each
-    replica keeps only the reduce-scattered slice it updates, so it needs the first.
+    replica keeps only the reduce-scattered slice it updates, so it needs the first. Its
+    time is priced as the distributed optimizer's, one reduce-scatter per step; a run that
+    reduce-scatters after every micro-batch instead pays m of them, which is not priced.
     """
 
     tp: int = 1
