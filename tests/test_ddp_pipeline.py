@@ -8,10 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline_lib.course.workers.ddp_pipeline import (Cluster, ReplicaLoss, Setup, cheapest_grid,
-                                                        communication_seconds, grid_problem,
-                                                        last_step_timeline, read_records,
-                                                        write_ddp_pipeline_setup)
+from pipeline_lib.course.workers.ddp_pipeline import (ReplicaLoss, Setup, last_step_timeline,
+                                                        read_records, write_ddp_pipeline_setup)
 from pipeline_lib.distributed.launch import torchrun
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.schedules import build
@@ -131,38 +129,3 @@ def test_missing_records_name_the_command_to_run(tmp_path):
     with pytest.raises(FileNotFoundError, match="torchrun --nproc-per-node 4 -m "
                                                 "pipeline_lib.course.workers.ddp_pipeline"):
         read_records(tmp_path)
-
-
-
-# -- the placement cost model of exercise 5.1 --------------------------------------------------
-
-TWO_BY_TWO = Cluster(machines=2, gpus=2, fast=100.0, slow=10.0)
-PIPELINES_INSIDE = ([[0, 1], [2, 3]], [[0, 2], [1, 3]])   # each pipeline on one machine
-DDP_INSIDE = ([[0, 2], [1, 3]], [[0, 1], [2, 3]])         # each DDP group on one machine
-
-
-def test_communication_seconds_is_bytes_over_each_groups_link():
-    assert communication_seconds(TWO_BY_TWO, PIPELINES_INSIDE, 1000, 50) == (0.5, 100.0)
-    assert communication_seconds(TWO_BY_TWO, DDP_INSIDE, 1000, 50) == (5.0, 10.0)
-
-
-def test_the_group_that_moves_more_bytes_gets_the_fast_links():
-    def one_machine(group):
-        return len({r // TWO_BY_TWO.gpus for r in group}) == 1
-
-    pipelines, dp_groups = cheapest_grid(TWO_BY_TWO, 2, 2, all_reduce_bytes=1000,
-                                         pipeline_bytes=50)
-    assert all(map(one_machine, dp_groups)) and not any(map(one_machine, pipelines))
-    pipelines, dp_groups = cheapest_grid(TWO_BY_TWO, 2, 2, all_reduce_bytes=50,
-                                         pipeline_bytes=1000)
-    assert all(map(one_machine, pipelines)) and not any(map(one_machine, dp_groups))
-    with pytest.raises(ValueError, match="must equal the cluster's 4 GPUs"):
-        cheapest_grid(TWO_BY_TWO, 2, 3, 1, 1)
-
-
-def test_grid_problem_names_what_is_wrong():
-    assert grid_problem(*PIPELINES_INSIDE, pp=2, dp=2) is None
-    assert "every rank 0..3 once" in grid_problem([[0, 1], [1, 2]], [[0, 1], [1, 2]], 2, 2)
-    assert "2 pipelines of 2 ranks" in grid_problem([[0, 1, 2, 3]], [[0], [1]], 2, 2)
-    assert "they are [[0, 2], [1, 3]]" in grid_problem([[0, 1], [2, 3]], [[0, 1], [2, 3]], 2, 2)
-    assert "lists of lists" in grid_problem(None, None, 2, 2)

@@ -17,14 +17,12 @@ the notebook checks:
 * its final parameters, under the full model's names, to compare with one process;
 * the events of its last step, to draw every rank's on one time axis.
 
-It also holds the cost model that grades exercise 5.1 (`Cluster`, `grid_problem`,
-`communication_seconds`, `cheapest_grid`): which ranks should form the pipelines and
-which the DDP groups, given how many bytes each moves and how fast each link is.
+(The cost model that grades exercise 5.1 lives with the grader, in
+`pipeline_lib.course.checks.nb05`: it is the exercise's answer.)
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -120,84 +118,6 @@ def last_step_timeline(records: Sequence[RankRecord]) -> tuple[Timeline, list[Al
     syncs = [AllReduce(a.rank, a.step, a.stage, a.bucket, a.action, a.time - t0, a.end - t0)
              for r in records for a in r.all_reduces if a.step == last]
     return Timeline(len(records), events).shifted(), syncs
-
-
-# -- where the ranks go: the cost model of exercise 5.1 ----------------------------------------
-
-Grid = tuple[list[list[int]], list[list[int]]]   # (pipelines, DDP groups) of global ranks
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """``machines`` × ``gpus`` processes, global rank r on machine ``r // gpus``: two GPUs of
-    one machine talk at ``fast`` bytes/s (NVLink), two machines at ``slow`` (the network)."""
-
-    machines: int
-    gpus: int
-    fast: float
-    slow: float
-
-    def bandwidth(self, a: int, b: int) -> float:
-        return self.fast if a // self.gpus == b // self.gpus else self.slow
-
-
-def grid_problem(pipelines: list[list[int]], dp_groups: list[list[int]], pp: int,
-                 dp: int) -> str | None:
-    """What makes ``(pipelines, dp_groups)`` no ``dp × pp`` grid of ranks ``0 .. dp·pp − 1``,
-    or None: ``dp`` pipelines of ``pp`` ranks, every rank once, and DDP group ``s`` holding
-    stage ``s`` of every pipeline (``dp_groups[s][d] == pipelines[d][s]``)."""
-    try:
-        pipelines = [[int(r) for r in p] for p in pipelines]
-        dp_groups = [[int(r) for r in g] for g in dp_groups]
-    except (TypeError, ValueError):
-        return (f"return two lists of lists of ranks (pipelines, dp_groups), got "
-                f"{pipelines!r} and {dp_groups!r}")
-    if [len(p) for p in pipelines] != [pp] * dp:
-        return f"expected {dp} pipelines of {pp} ranks, got {pipelines}"
-    ranks = sorted(r for p in pipelines for r in p)
-    if ranks != list(range(pp * dp)):
-        return f"the pipelines must hold every rank 0..{pp * dp - 1} once, they hold {ranks}"
-    columns = [[p[s] for p in pipelines] for s in range(pp)]
-    if dp_groups != columns:
-        return (f"DDP group s holds stage s of every pipeline: with pipelines {pipelines} "
-                f"they are {columns}, got {dp_groups}")
-    return None
-
-
-def communication_seconds(cluster: Cluster, grid: Grid, all_reduce_bytes: float,
-                          pipeline_bytes: float) -> tuple[float, float]:
-    """Seconds per step spent on (pipeline messages, gradient all-reduce) with ``grid``.
-
-    A pipeline boundary moves ``pipeline_bytes`` (every micro-batch's activation forward
-    and its gradient back) over the link between its two ranks; a DDP group's ring
-    all-reduce sends ``all_reduce_bytes`` from each rank, at the pace of the group's slowest
-    link. Groups of one kind run at once, so the slowest counts; the two kinds add up. A
-    deliberately simple model: no overlap with compute, no two groups sharing a link."""
-    pipelines, dp_groups = grid
-    pipeline = max((pipeline_bytes / cluster.bandwidth(a, b)
-                    for p in pipelines for a, b in zip(p, p[1:])), default=0.0)
-    all_reduce = max((all_reduce_bytes / min(cluster.bandwidth(a, b) for a in g for b in g
-                                             if a != b)
-                      for g in dp_groups if len(g) > 1), default=0.0)
-    return pipeline, all_reduce
-
-
-def cheapest_grid(cluster: Cluster, pp: int, dp: int, all_reduce_bytes: float,
-                  pipeline_bytes: float) -> Grid:
-    """The grid that spends the least time communicating, found by trying every order of
-    the ranks: (dp·pp)! grids, fine for the handful of ranks of an exercise."""
-    if pp * dp != cluster.machines * cluster.gpus or pp * dp > 8:
-        raise ValueError(f"pp × dp = {pp * dp} must equal the cluster's "
-                         f"{cluster.machines * cluster.gpus} GPUs, and at most 8 ranks can be "
-                         f"tried one order at a time")
-
-    def grid(order: tuple[int, ...]) -> Grid:
-        pipelines = [list(order[d * pp:(d + 1) * pp]) for d in range(dp)]
-        return pipelines, [[p[s] for p in pipelines] for s in range(pp)]
-
-    return min((grid(order) for order in itertools.permutations(range(pp * dp))),
-               key=lambda g: sum(communication_seconds(cluster, g, all_reduce_bytes,
-                                                       pipeline_bytes)))
 
 
 # -- the worker --------------------------------------------------------------------------------

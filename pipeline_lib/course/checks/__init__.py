@@ -1,0 +1,1 @@
+"""The notebooks' exercise checks, one module per notebook, called by its check cells and by the tests."""
