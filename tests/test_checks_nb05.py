@@ -184,3 +184,4 @@ def test_grid_problem_names_what_is_wrong():
     assert "2 pipelines of 2 ranks" in grid_problem([[0, 1, 2, 3]], [[0], [1]], 2, 2)
     assert "they are [[0, 2], [1, 3]]" in grid_problem([[0, 1], [2, 3]], [[0, 1], [2, 3]], 2, 2)
     assert "lists of lists" in grid_problem(None, None, 2, 2)
+

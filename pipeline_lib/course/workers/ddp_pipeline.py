@@ -14,7 +14,8 @@ the notebook checks:
 * per step, the loss of its replica's own rows (last stage only): replicas train on
   different rows, so these differ, while their parameters must not;
 * every gradient all-reduce DDP ran: during which action of the schedule, at what time;
-* its final parameters, under the full model's names, to compare with one process;
+* its final parameters, under the full model's names, to compare with one process
+  (clipped, if ``Setup.clip`` says so, by the whole model's norm: `pipeline_lib.grad_clip`);
 * the events of its last step, to draw every rank's on one time axis.
 
 (The cost model that grades exercise 5.1 lives with the grader, in
@@ -36,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pipeline_lib.distributed.pipe import DistributedPipe
 from pipeline_lib.distributed.job import process_group
 from pipeline_lib.distributed.mesh import Mesh, init_mesh
+from pipeline_lib.grad_clip import clip_grad_norm_
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.timeline import Event, Timeline
 from pipeline_lib.lm.loops import lm_loss
@@ -57,6 +59,8 @@ class Setup:
     schedule: str
     lr: float                           # plain SGD: one process gets lr x the same gradient
     batches: list[tuple[Tensor, Tensor]]  # global (inputs, targets); replicas split the rows
+    clip: float | None = None           # max gradient norm of the whole model, or no clipping
+    order: str = "replica-major"        # how global ranks fill the grid: `init_mesh`'s order
 
 
 @dataclass
@@ -78,8 +82,8 @@ class RankRecord:
     rank: int
     replica: int
     pipe_rank: int
-    pipeline: list[int]          # global ranks of this rank's pipeline, first stage first
-    dp_group: list[int]          # global ranks holding the same stages
+    pipeline: list[int]          # global ranks of this rank's pipeline group, first stage first
+    dp_group: list[int]          # global ranks of its DDP group (the same stages)
     replica_losses: list[float]  # per step, this replica's rows' loss (last stage; else [])
     losses: list[float]          # per step, the global batch's loss (last stage; else [])
     all_reduces: list[AllReduce]
@@ -184,6 +188,8 @@ def train_and_record(setup: Setup, mesh: Mesh) -> RankRecord:
     for step, (inputs, targets) in enumerate(setup.batches):
         optimizer.zero_grad(set_to_none=True)
         loss = pipe.step(inputs, targets, loss_fn)
+        if setup.clip is not None:     # the whole model's norm: summed over the pipeline
+            clip_grad_norm_(pipe, setup.clip)
         optimizer.step()
         if loss is not None:
             losses.append(loss.item())
@@ -194,7 +200,8 @@ def train_and_record(setup: Setup, mesh: Mesh) -> RankRecord:
         hooked.clear()
     return RankRecord(
         rank=mesh.rank, replica=mesh.replica, pipe_rank=mesh.pipe_rank,
-        pipeline=[mesh.global_rank(p) for p in range(mesh.pp)],
+        pipeline=(dist.get_process_group_ranks(mesh.pipe_group) if mesh.pipe_group
+                  else [mesh.rank]),
         dp_group=dist.get_process_group_ranks(mesh.dp_group) if mesh.dp_group else [mesh.rank],
         replica_losses=replica_losses, losses=losses, all_reduces=all_reduces,
         parameters={names[id(p)]: p.detach().cpu().clone() for p in pipe.parameters()},
@@ -210,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     setup = Setup(**torch.load(args.workdir / "setup.pt"))
     with process_group(timeout=args.timeout):
-        mesh = init_mesh(setup.pp, setup.dp, args.timeout)
+        mesh = init_mesh(setup.pp, setup.dp, args.timeout, setup.order)
         results.start_run(args.workdir, RESULTS)
         record = train_and_record(setup, mesh)
         saved = asdict(record)
