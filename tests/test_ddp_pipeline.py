@@ -90,6 +90,8 @@ def test_clipped_stage_major_training_equals_one_process_clipped(stage_major_cli
     equals one process clipping the whole model, in either rank order."""
     setup, records = stage_major_clipped_job
     losses, params = single_process(setup)
+    norms = records[0].grad_norms
+    assert len(norms) == STEPS and all(r.grad_norms == norms for r in records)  # one norm
     by_place = {(r.replica, r.pipe_rank): r for r in records}
     for replica in range(DP):
         assert by_place[(replica, PP - 1)].losses == pytest.approx(losses, rel=1e-5)

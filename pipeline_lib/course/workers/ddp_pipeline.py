@@ -87,6 +87,8 @@ class RankRecord:
     replica_losses: list[float]  # per step, this replica's rows' loss (last stage; else [])
     losses: list[float]          # per step, the global batch's loss (last stage; else [])
     all_reduces: list[AllReduce]
+    grad_norms: list[float]      # per step, the whole model's gradient norm before clipping
+    #                              (what `clip_grad_norm_` found on this rank); [] unclipped
     parameters: dict[str, Tensor]
     last_step: list[Event]
 
@@ -184,12 +186,12 @@ def train_and_record(setup: Setup, mesh: Mesh) -> RankRecord:
     hooked: list[list[float]] = []
     _record_all_reduces(pipe, mesh, hooked)
     loss_fn = ReplicaLoss()
-    replica_losses, losses, all_reduces = [], [], []
+    replica_losses, losses, all_reduces, grad_norms = [], [], [], []
     for step, (inputs, targets) in enumerate(setup.batches):
         optimizer.zero_grad(set_to_none=True)
         loss = pipe.step(inputs, targets, loss_fn)
         if setup.clip is not None:     # the whole model's norm: summed over the pipeline
-            clip_grad_norm_(pipe, setup.clip)
+            grad_norms.append(clip_grad_norm_(pipe, setup.clip).item())
         optimizer.step()
         if loss is not None:
             losses.append(loss.item())
@@ -204,6 +206,7 @@ def train_and_record(setup: Setup, mesh: Mesh) -> RankRecord:
                   else [mesh.rank]),
         dp_group=dist.get_process_group_ranks(mesh.dp_group) if mesh.dp_group else [mesh.rank],
         replica_losses=replica_losses, losses=losses, all_reduces=all_reduces,
+        grad_norms=grad_norms,
         parameters={names[id(p)]: p.detach().cpu().clone() for p in pipe.parameters()},
         last_step=pipe.events)
 
