@@ -68,7 +68,7 @@ def make_runners(stages: Mapping[int, tuple[nn.Module, torch.device]], last: int
     batch, whose gradient nobody needs)."""
     return {s: StageRunner(s, module, device, checkpoint, microbatches, step_seed,
                            loss_fn=loss_fn if s == last else None, loss_weights=weights,
-                           first=given and s == 0, rng=rng)
+                           input_as_given=given and s == 0, rng=rng)
             for s, (module, device) in stages.items()}
 
 

@@ -12,7 +12,7 @@ pipeline_lib.lm.train --pp 2 --dp 2`` trains the Transformer LM)::
 
     with process_group():                       # see `pipeline_lib.distributed.job`
         mesh = init_mesh(pp=2, dp=2)
-        pipe = DistributedPipe(build_model(), mesh, balance=[5, 5], chunks=8)
+        pipe = DistributedPipe(build_model(), mesh, balance=[5, 5], microbatches=8)
         optimizer = torch.optim.AdamW(pipe.parameters())
         for inputs, targets in batches:         # the same global batches on every rank
             optimizer.zero_grad()
@@ -117,7 +117,10 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline_lib import tree
+from pipeline_lib.batchnorm import DeferredBatchNorm
 from pipeline_lib.checkpoint import check_mode
+from pipeline_lib.deprecation import renamed_keywords
+from pipeline_lib.devices import WithDevice
 from pipeline_lib.distributed.mesh import Mesh, check_same_everywhere
 from pipeline_lib.distributed.p2p import (Message, PostedEarly, Transport, batch_key,
                                           describe_tensors)
@@ -142,20 +145,20 @@ class DistributedPipe:
     `schedules.BUILDERS` or a `Schedule` for ``mesh.pp`` ranks. ``post_early=False``
     sends every message as `p2p.Transport` does, header then tensors, each waiting for its
     receive: simpler to follow, slower for small stages (`p2p.PostedEarly` is the speed-up).
+    What ``post_early=True`` asks in return: from the second step on, a batch with the
+    shapes of the step before must give every message the shape that step's gave, which holds unless a stage's output shape depends on its input's values (a
+    layer that drops padding tokens, say); such a stage raises `p2p.ProtocolError`
+    saying so, and runs with ``post_early=False``.
     """
 
+    @renamed_keywords(chunks="microbatches")
     def __init__(self, module: nn.Sequential, mesh: Mesh, balance: Sequence[int],
-                 chunks: int, schedule: str | Schedule = "1f1b", checkpoint: str = "never",
-                 post_early: bool = True):
+                 microbatches: int, schedule: str | Schedule = "1f1b",
+                 checkpoint: str = "never", post_early: bool = True):
         stages = group_layers(module, balance)
-        layer_stage = [s for s, count in enumerate(balance) for _ in range(count)]
-        crossing = skip_routes(module, layer_stage)
-        if crossing:
-            raise NotImplementedError(
-                f"skip connections between stages ({crossing}) are not sent between "
-                f"processes yet; choose a balance that keeps each within one stage, or use Pipe")
+        check_runs_in_processes(module, balance)
         self.mesh, self.checkpoint = mesh, check_mode(checkpoint)
-        self.schedule = plan(schedule, mesh.pp, len(stages), chunks)
+        self.schedule = plan(schedule, mesh.pp, len(stages), microbatches)
         check_same_everywhere("pipelines", dict(
             schedule=self.schedule.name, grid=self.schedule.grid(), pp=mesh.pp, dp=mesh.dp,
             balance=list(balance), checkpoint=checkpoint, post_early=post_early))
@@ -182,6 +185,12 @@ class DistributedPipe:
         return DistributedDataParallel(stage, device_ids=[self.mesh.device] if cuda else None,
                                        process_group=self.mesh.dp_group,
                                        forward_sync_buffers=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError(
+            "a DistributedPipe runs training steps, pipe.step(inputs, target, loss_fn); "
+            "pipe(x), a pipelined forward connected to autograd (the classic API), is the "
+            "threaded Pipe's (pipeline_lib.Pipe, one process)")
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters (for its optimizer), each once: a weight tied between
@@ -353,6 +362,31 @@ class DistributedPipe:
         if self.mesh.dp > 1:
             title += f" × {self.mesh.dp} replicas"
         return Timeline(len(gathered), events, unit="s", title=title).shifted()
+
+
+def check_runs_in_processes(module: nn.Sequential, balance: Sequence[int]) -> None:
+    """Refuse, before any rank talks to another, what only the threaded `Pipe` runs:
+    skip connections between stages, `DeferredBatchNorm` and `WithDevice` layers. Each
+    message names `Pipe` (the README's feature table lists what runs where)."""
+    layer_stage = [s for s, count in enumerate(balance) for _ in range(count)]
+    crossing = skip_routes(module, layer_stage)
+    if crossing:
+        raise NotImplementedError(
+            f"skip connections between stages ({crossing}) are not sent between "
+            f"processes yet; choose a balance that keeps each within one stage, or use Pipe")
+    for name, layer in module.named_modules():
+        if isinstance(layer, DeferredBatchNorm):
+            raise NotImplementedError(
+                f"layer {name} is a DeferredBatchNorm, which the threaded Pipe runs "
+                f"(Pipe(..., deferred_batch_norm=True)) but DistributedPipe does not yet: "
+                f"its running statistics would be each replica's own, and a failed step's "
+                f"micro-batches would stay counted. Use Pipe, or nn.BatchNorm layers")
+        if isinstance(layer, WithDevice):
+            raise NotImplementedError(
+                f"layer {name} is a WithDevice({layer.device}), which places a stage on a "
+                f"device of one process, as the threaded Pipe does; DistributedPipe puts "
+                f"every stage of a rank on that rank's mesh.device. Unwrap it "
+                f"({name}.module), or use Pipe")
 
 
 def check_no_weight_shared_across_ranks(module: nn.Module, stages: Sequence[nn.Module],

@@ -22,7 +22,7 @@ from pipeline_lib.loss import StepGradients, check_grad_mode
 from pipeline_lib.microbatch import gather, split
 from pipeline_lib.partition import group_layers
 from pipeline_lib.rng import new_step_seed, streams_for
-from pipeline_lib.schedules import BUILDERS, Action, Schedule, plan, ranks_for
+from pipeline_lib.schedules import BUILDERS, Action, Schedule, plan
 from pipeline_lib.skip import SkipKey, skip_routes
 from pipeline_lib.stage import LossFn, StageRunner
 from pipeline_lib.step import batch_loss, make_runners, split_batch, train_step
@@ -178,7 +178,8 @@ class Pipe(nn.Module):
         # forward in the caller's backward, on autograd's threads, beside whatever they run.
         runners = [StageRunner(s, self.partitions[s], self.devices[s],
                                self.checkpoint if _training(self.partitions[s]) else "never",
-                               m, step_seed, first=s == 0 and not wants_input_grads)
+                               m, step_seed,
+                               input_as_given=s == 0 and not wants_input_grads)
                    for s in range(n)]
         outputs: dict[int, Any] = {}
         stages = {s: _Autograd(runners[s], modes, outputs if s == n - 1 else None)
@@ -194,8 +195,7 @@ class Pipe(nn.Module):
         if not isinstance(schedule, (str, Schedule)):
             raise TypeError(f"schedule must be the name of one ({', '.join(sorted(BUILDERS))})"
                             f" or a Schedule, got {schedule!r}")
-        ranks = schedule.ranks if isinstance(schedule, Schedule) else ranks_for(schedule, n)
-        schedule = plan(schedule, ranks, n, microbatches)
+        schedule = plan(schedule, None, n, microbatches)
         for s in range(n):
             first = schedule.stages_on(schedule.rank_of(s))[0]   # sets the rank's device
             if self.devices[s] != self.devices[first]:
