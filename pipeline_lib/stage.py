@@ -1,8 +1,9 @@
 """What one stage does for each action, independent of how activations travel.
 
 Both executors (threads in one process, one process per rank) drive a `StageRunner` per
-stage and only differ in how they move its inputs and outputs; the classic ``pipe(x)``
-drives the same runners, wired into autograd. A stage's input arrives detached from the
+stage from the same loop, `executor.run_program`, and only differ in how they move its
+inputs and outputs (their `executor.Transport`); the classic ``pipe(x)`` runs the same
+loop over the same runners, wired into autograd. A stage's input arrives detached from the
 previous stage's graph, as a leaf that requires grad: its ``.grad`` after the backward is
 exactly what the previous stage needs. The stage graphs are thus separate and each
 backward is an explicit call, which is what lets a schedule order them.

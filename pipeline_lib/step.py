@@ -75,9 +75,9 @@ def make_runners(stages: Mapping[int, tuple[nn.Module, torch.device]], last: int
 def train_step(parameters: Iterable[nn.Parameter],
                run: Callable[[], tuple[Tensor | None, float]],
                gradients: type[StepGradients] = StepGradients) -> Tensor | None:
-    """Run ``run`` with ``.grad`` set aside by ``gradients``; ``run`` returns the batch's
-    loss and the factor the gradients it added are scaled by (`StepGradients.commit`),
-    which the executor's step gives explicitly (its tests interrupt it). If it raises (a
+    """Run ``run`` with ``.grad`` set aside by ``gradients`` (`StepGradients`, or a
+    subclass: the tests interrupt its methods); ``run`` returns the batch's loss and the
+    factor the gradients it added are scaled by (`StepGradients.commit`). If it raises (a
     stage failed, Ctrl-C), ``.grad`` is put back as it was. Setting aside, restoring
     and committing each run with Ctrl-C held: whole or not at all, never some
     parameters and not others; an interrupt while committing comes after the step,

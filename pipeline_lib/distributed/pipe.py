@@ -2,10 +2,11 @@
 
 One process per pipeline rank. Rank ``r`` holds every stage ``s`` that the schedule places
 there (``schedule.rank_of(s) == r``: ``s % pp`` for looped schedules, a V for ZB-V and
-DualPipeV) and runs ``schedule.actions[r]`` in order, driving a
-`StageRunner` per stage exactly as the threaded `Pipe.step` does: same loss scaling
-(`pipeline_lib.loss`), same dropout seeds per (stage, micro-batch). Only the way
-activations and gradients travel differs, and that is the lesson of this module.
+DualPipeV) and runs ``schedule.actions[r]`` with the loop the threaded `Pipe.step`
+runs, `executor.run_program`, around which `pipeline_lib.step` does the same split, loss
+scaling and gradient commit, with the same dropout seeds per (stage, micro-batch). Only
+the way activations and gradients travel differs (`PointToPoint`, the transport), and
+that is the lesson of this module.
 
 Every process runs the same script under torchrun (``torchrun --nproc_per_node 4 -m
 pipeline_lib.lm.train --pp 2 --dp 2`` trains the Transformer LM)::
