@@ -59,15 +59,21 @@ class Stopwatch:
     """
 
     def __init__(self, rank: int, device: torch.device, clock: Callable[[], float]):
-        self.rank, self.clock = rank, clock
+        self.rank, self.clock, self.device = rank, clock, device
         self.cuda = device.type == "cuda"
         self._events: list[Event] = []
         self._marks: list[tuple[Action, Any, Any]] = []
         if self.cuda:   # the stream's zero, on the shared clock
-            self._zero = torch.cuda.Event(enable_timing=True)
-            self._zero.record()
+            self._zero = self._record()
             self._zero.synchronize()
             self._zero_s = clock()
+
+    def _record(self) -> Any:
+        """An event recorded now on the device's current stream (the one the rank's
+        kernels go to), whichever device is current on this thread."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     @contextlib.contextmanager
     def timing(self, action: Action) -> Iterator[None]:
@@ -76,11 +82,9 @@ class Stopwatch:
             yield
             self._events.append(Event(self.rank, action, start, self.clock()))
             return
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record()
+        start = self._record()
         yield
-        end.record()
-        self._marks.append((action, start, end))
+        self._marks.append((action, start, self._record()))
 
     def events(self) -> list[Event]:
         """The actions timed so far (waits for the device's queued work on CUDA)."""

@@ -68,7 +68,8 @@ class FakeCudaEvent:
         assert enable_timing
         self.at: float | None = None
 
-    def record(self) -> None:
+    def record(self, stream) -> None:
+        assert stream == ("stream of", torch.device("cuda", 0))
         FakeCudaEvent.clock_ms += 10.0
         self.at = FakeCudaEvent.clock_ms
 
@@ -87,6 +88,7 @@ def test_cuda_actions_are_timed_by_events_with_one_sync_per_step(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", FakeCudaEvent)
     monkeypatch.setattr(FakeCudaEvent, "clock_ms", 0.0)
     monkeypatch.setattr(FakeCudaEvent, "synchronized", 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: ("stream of", device))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("host sync"))
     host = iter([100.0])
     watch = Stopwatch(1, torch.device("cuda", 0), clock=lambda: next(host))  # zero at 10 ms
