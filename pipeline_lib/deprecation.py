@@ -17,15 +17,17 @@ def renamed_keywords(**new_names: str) -> Callable[[F], F]:
     """Accept ``old=`` for each ``old=new`` pair as ``new=``, with a `DeprecationWarning`
     that names the new keyword; giving both is a `TypeError`."""
     def decorate(fn: F) -> F:
+        called = fn.__qualname__.removesuffix(".__init__")   # a class by its name
+
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             for old, new in new_names.items():
                 if old not in kwargs:
                     continue
                 if new in kwargs:
-                    raise TypeError(f"{fn.__name__}() got both {old}= and {new}=; {old}= "
+                    raise TypeError(f"{called}() got both {old}= and {new}=; {old}= "
                                     f"is the deprecated name of {new}=: give {new}= only")
-                warnings.warn(f"{fn.__name__}({old}=...) is deprecated and will be removed "
+                warnings.warn(f"{called}({old}=...) is deprecated and will be removed "
                               f"in the next release; call it with {new}=... instead",
                               DeprecationWarning, stacklevel=2)
                 kwargs[new] = kwargs.pop(old)

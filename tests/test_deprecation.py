@@ -30,7 +30,7 @@ def test_giving_the_old_and_the_new_name_is_an_error():
 
 def test_stage_runner_first_is_now_input_as_given():
     lin = nn.Linear(2, 2)
-    with pytest.warns(DeprecationWarning, match="input_as_given="):
+    with pytest.warns(DeprecationWarning, match=r"StageRunner\(first=.*input_as_given="):
         runner = StageRunner(0, lin, torch.device("cpu"), "never", 1, 0, first=True)
     x = torch.randn(3, 2)
     runner.forward(0, x)
