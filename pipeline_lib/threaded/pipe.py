@@ -50,7 +50,8 @@ class Pipe(nn.Module):
     * ``devices``: one per stage (stages may share a device); by default, where each
       stage's parameters already are, or where a `WithDevice` layer in it says. Stages
       are moved to their devices.
-    * ``chunks``: micro-batches per mini-batch. Inputs are a tensor or a tuple, list or
+    * ``chunks``: micro-batches per mini-batch (the classic API's name; everywhere else
+      the library says ``microbatches``). Inputs are a tensor or a tuple, list or
       dict of them, nested; their tensors are split along dim 0; wrap a tensor in
       `NoChunk` to give it whole to every micro-batch (a shared mask). Stages may pass
       each other such trees too (see `microbatch`). ``checkpoint``: ``"always"``,
@@ -75,8 +76,9 @@ class Pipe(nn.Module):
     ``pipe(x)`` is the classic API: a pipelined forward whose output is connected to
     autograd, so ``criterion(pipe(x), y).backward()`` trains as usual; autograd runs the
     backward, calling each stage's. ``pipe.step(x, y, loss_fn, schedule)`` runs forward
-    and backward under a schedule, one thread per device, and records ``pipe.timeline``;
-    ``loss_fn`` returns a mean or a ``(loss_sum, count)`` pair (see `pipeline_lib.loss`).
+    and backward under a schedule, one thread per device (the caller's own for a one-rank
+    schedule), and records ``pipe.timeline``; ``loss_fn`` returns a mean or a
+    ``(loss_sum, count)`` pair (see `pipeline_lib.loss`).
     Both leave no stage thread running when they fail or are interrupted.
     """
 
