@@ -32,6 +32,7 @@ from pipeline_lib import _moved
 from pipeline_lib.batchnorm import DeferredBatchNorm
 from pipeline_lib.checkpoint import is_checkpointing, is_recomputing
 from pipeline_lib.devices import WithDevice
+from pipeline_lib.loss import SumCount
 from pipeline_lib.microbatch import NoChunk
 from pipeline_lib.schedules import Action, Schedule, ScheduleError, validate
 from pipeline_lib.skip import Namespace, SkipError, pop, skippable, stash, verify_skips
@@ -40,7 +41,8 @@ from pipeline_lib.timeline import Event, Timeline, bubble_theory, simulate
 
 __all__ = [
     "Action", "DeferredBatchNorm", "Event", "Namespace", "NoChunk", "Pipe",
-    "PipelineAborted", "Schedule", "ScheduleError", "SkipError", "Timeline", "WithDevice",
+    "PipelineAborted", "Schedule", "ScheduleError", "SkipError", "SumCount", "Timeline",
+    "WithDevice",
     "bubble_theory", "gantt", "is_checkpointing", "is_recomputing", "pop", "simulate",
     "skippable", "stash", "validate", "verify_skips",
 ]

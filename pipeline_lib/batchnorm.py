@@ -4,7 +4,8 @@ In training, BatchNorm normalises with the statistics of the batch it is given; 
 pipeline that is a micro-batch, as if the batch were smaller, and that stays so here. But
 the running mean and variance (what evaluation uses) would be updated once per
 micro-batch: m noisy small-batch updates per step instead of one, the momentum applied m
-times, and once more for each checkpointed micro-batch that is recomputed.
+times. (Not once more for a checkpointed micro-batch: a replay puts every normalisation
+layer's running statistics back as they were, see `checkpoint`.)
 `DeferredBatchNorm` instead accumulates every micro-batch's statistics and folds them into
 the running estimates once, after the mini-batch's last micro-batch, so they end up
 exactly as a full-batch BatchNorm would leave them.

@@ -8,22 +8,41 @@ of two things (Megatron-LM accepts the same two):
   default reduction). Micro-batch i's loss is weighted by b_i / B before its backward
   (`microbatch.loss_weights`): the gradients are those of the whole batch's mean. Exact
   when every row weighs the same.
-* **a sum and a count**, ``(loss_sum, count)``: e.g. the cross-entropy summed over the
-  micro-batch's tokens (``reduction="sum"``) and the number of tokens that are not
+* **a sum and a count**, ``SumCount(loss_sum, count)``: e.g. the cross-entropy summed over
+  the micro-batch's tokens (``reduction="sum"``) and the number of tokens that are not
   padding (``(target != ignore_index).sum()``). The batch's loss is Σ loss_sum / Σ count,
   every token weighing the same however the padding falls into micro-batches, which the
-  b_i / B rule gets wrong. Σ count is known only once the last micro-batch's forward has
-  run, long after 1F1B's first backward; so each micro-batch backpropagates its sum
-  unscaled, and when the step ends, the gradients *it* added are divided by the total
-  count (`StepGradients`). Gradients already in ``.grad`` when the step began (several
-  steps accumulated without ``zero_grad``) are set aside meanwhile and stay as they were.
+  b_i / B rule gets wrong (and a micro-batch whose targets are all padding has a mean of
+  0/0 = NaN, where the batch's is finite). Σ count is known only once the last
+  micro-batch's forward has run, long after 1F1B's first backward; so each micro-batch
+  backpropagates its sum unscaled, and when the step ends, the gradients *it* added are
+  divided by the total count (`StepGradients`). Gradients already in ``.grad`` when the
+  step began (several steps accumulated without ``zero_grad``) are set aside meanwhile
+  and stay as they were.
+
+The pair is a named type, not a plain tuple: ``(loss, accuracy)`` is as natural a thing
+to return, and read as a sum and a count it would divide the loss by the accuracy.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+import math
+import numbers
+from typing import Any, Iterable, NamedTuple
 
 import torch
 from torch import Tensor, nn
+
+from pipeline_lib import tree
+
+
+class SumCount(NamedTuple):
+    """What ``loss_fn`` returns for a loss averaged over the whole batch's tokens (or any
+    count that varies by micro-batch): the micro-batch's summed loss and how many
+    elements it sums over. The step returns Σ sum / Σ count over all micro-batches."""
+
+    sum: Tensor
+    count: Tensor | int | float
+
 
 MicroLoss = tuple[Tensor, "Tensor | None"]   # (loss or loss_sum, None or count)
 
@@ -37,37 +56,79 @@ def check_grad_mode(caller: str) -> None:
                            f"forward without gradients, call the pipe itself: pipe(x))")
 
 
-def micro_loss(result: Any, microbatch: int, need_grad: bool) -> MicroLoss:
+def micro_loss(result: Any, microbatch: int, need_grad: bool, output: Any = None) -> MicroLoss:
     """``loss_fn``'s return value for ``microbatch`` as ``(loss, count)``, count None for
     a mean. ``need_grad``: the loss was computed with autograd on, so it must carry a
-    graph back to the model."""
-    loss, count = result if isinstance(result, (tuple, list)) and len(result) == 2 \
-        else (result, None)
+    graph back to the model. ``output``: the stage output it was computed from, to tell
+    a mean over no element (NaN from finite outputs) from a model that diverged."""
     where = f"loss_fn returned {_kind(result)} for micro-batch {microbatch}"
+    if isinstance(result, SumCount):
+        loss, count = result
+    elif isinstance(result, (tuple, list)):
+        raise TypeError(f"{where}; return a mean-reduced scalar, or pipeline_lib.SumCount("
+                        f"loss_sum, count) for a sum and the count it sums over. A plain "
+                        f"pair is refused because it cannot be told from (loss, accuracy) "
+                        f"or another auxiliary value, which would become a divisor; "
+                        f"compute such values outside loss_fn (e.g. from pipe(x))")
+    else:
+        loss, count = result, None
     if not isinstance(loss, Tensor):
         raise TypeError(f"{where}; return a tensor computed from the model's output: a "
-                        f"mean-reduced scalar, or a pair (loss_sum, count). A Python number "
-                        f"(from .item() or float()) carries no gradient")
+                        f"mean-reduced scalar, or SumCount(loss_sum, count). A Python "
+                        f"number (from .item() or float()) carries no gradient")
     if loss.numel() != 1:
         raise ValueError(f"{where}, a loss of shape {list(loss.shape)}; return a scalar: "
-                         f"its mean over the micro-batch, or the pair (loss.sum(), count)")
+                         f"its mean over the micro-batch, or SumCount(loss.sum(), count)")
     if need_grad and not loss.requires_grad:
         raise RuntimeError(f"{where}, a loss that does not require grad: its backward would "
                            f"compute no gradient. Was it detached (.detach(), "
                            f"torch.tensor(loss.item())) or computed under torch.no_grad()?")
-    if count is not None:
-        if isinstance(count, Tensor):
-            if count.numel() != 1 or count.requires_grad:
-                raise ValueError(f"{where}: its count must be one number that carries no "
-                                 f"gradient, got a tensor of shape {list(count.shape)}"
-                                 f"{' requiring grad' if count.requires_grad else ''}")
-            count = count.detach().reshape(()).to(torch.float64)
-        elif isinstance(count, (int, float)) and not isinstance(count, bool):
-            count = torch.tensor(float(count), dtype=torch.float64, device=loss.device)
-        else:
-            raise TypeError(f"{where}: the second item, the count, must be a number or a "
-                            f"one-element tensor, not {type(count).__name__}")
+    if count is None:
+        _check_mean(loss, microbatch, output)
+        return loss.reshape(()), None
+    if isinstance(count, Tensor):
+        if count.dtype == torch.bool:
+            raise TypeError(f"{where}: SumCount's count is a bool tensor, a flag rather than "
+                            f"a count (True would count as 1); count the elements it sums "
+                            f"over, e.g. (target != PAD).sum()")
+        if count.numel() != 1 or count.requires_grad:
+            raise ValueError(f"{where}: its count must be one number that carries no "
+                             f"gradient, got a tensor of shape {list(count.shape)}"
+                             f"{' requiring grad' if count.requires_grad else ''}")
+        count = count.detach().reshape(()).to(torch.float64)
+    elif isinstance(count, numbers.Real) and not isinstance(count, bool):
+        count = torch.tensor(float(count), dtype=torch.float64, device=loss.device)
+    else:
+        raise TypeError(f"{where}: SumCount's count must be a number or a one-element "
+                        f"tensor, not {type(count).__name__}")
+    value = count.item()
+    if not value >= 0:
+        raise ValueError(f"{where}: SumCount's count is {value}; a count is how many "
+                         f"elements the sum adds up, a number >= 0")
     return loss.reshape(()), count
+
+
+def _check_mean(loss: Tensor, microbatch: int, output: Any) -> None:
+    """A mean of NaN from finite outputs is a mean over nothing (0 / 0): typically every
+    target of the micro-batch is ignore_index. The whole batch's mean is finite if any
+    other target is not, so the step would return NaN where ``loss_fn(model(x), y)``
+    does not. (NaN outputs give a NaN loss unpipelined too: that is passed on.)
+    The executors synchronise after every action, so reading the loss here costs
+    nothing more."""
+    if not math.isnan(loss.item()):
+        return
+    if output is not None and not all(bool(torch.isfinite(t).all())
+                                      for t in tree.tensors(output)
+                                      if t.is_floating_point() or t.is_complex()):
+        return
+    raise ValueError(f"loss_fn returned a mean of nan for micro-batch {microbatch} although "
+                     f"the model's outputs are finite: a mean over no element, as when "
+                     f"every target of the micro-batch is ignore_index (padding). The "
+                     f"batch's mean is finite if another micro-batch has a real target, "
+                     f"but a mean per micro-batch cannot be; return "
+                     f"pipeline_lib.SumCount(loss_sum, count), e.g. SumCount("
+                     f"F.cross_entropy(out, y, ignore_index=PAD, reduction='sum'), "
+                     f"(y != PAD).sum()), which divides by the whole batch's count")
 
 
 def _kind(result: Any) -> str:
@@ -84,7 +145,7 @@ def total_count(losses: Iterable[MicroLoss]) -> Tensor | None:
     if all(c is None for c in counts):
         return None
     if any(c is None for c in counts):
-        raise TypeError("loss_fn returned a pair (loss_sum, count) for some micro-batches "
+        raise TypeError("loss_fn returned SumCount(loss_sum, count) for some micro-batches "
                         "and a single loss for others; return the same kind for all")
     return torch.stack(counts).sum()
 

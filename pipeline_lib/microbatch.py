@@ -55,7 +55,16 @@ def rows(batch: Any) -> int:
 
 def check_rows(inputs: Any, target: Any) -> None:
     """A step pairs row k of the inputs with row k of the target, so both need as many."""
-    have, want = rows(inputs), rows(target)
+    have = rows(inputs)
+    if not any(t.dim() > 0 for t in tree.tensors(target)):
+        what = _kinds(target) if isinstance(target, (tuple, list, dict)) \
+            else type(target).__name__
+        raise TypeError(f"the target has no tensor to split along dim 0 (got {what}): a "
+                        f"training step gives loss_fn(output, target) each micro-batch's "
+                        f"rows of the target, so pass a target tensor with {have} rows "
+                        f"(torch.tensor(...) turns a list of numbers into one); for a "
+                        f"forward without a loss, call the pipe itself: pipe(inputs)")
+    want = rows(target)
     if have != want:
         raise ValueError(f"the inputs have {have} rows (dim 0) but the target has {want}; "
                          f"row k of the target is the target of row k of the inputs, so give "
@@ -70,13 +79,27 @@ def split(batch: Any, chunks: int) -> list[Any]:
     gets at least one row: a batch with fewer rows than ``chunks`` is an error, since an
     empty micro-batch would give a mean loss of NaN.
 
+    Each micro-batch's tensors are copies, not views of the batch's. Views of one tensor
+    share its version counter, so a first layer working in place
+    (``nn.ReLU(inplace=True)``) on micro-batch 1 would mark micro-batch 0's input, saved
+    for its backward, as modified, and the backward fail. Views with counters of their
+    own would hide real in-place changes of the caller's tensor from autograd; a copy of
+    the input batch costs one pass over memory the size of the input (token ids, or an
+    image batch: less than one layer's activations) and also leaves the caller's tensor
+    as it was. The copies keep autograd's link to the batch (``torch.clone``).
+
     A `Presplit` batch is returned as its micro-batches, whatever ``chunks`` says.
     """
     if isinstance(batch, Presplit):
         return list(batch)
-    if chunks < 1:
-        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
     size = rows(batch)
+    if size == 0:
+        raise ValueError(f"the batch has 0 rows (dim 0 of its tensors is 0): there is "
+                         f"nothing to split into {chunks} micro-batches; pass at least "
+                         f"{chunks} rows (an empty last batch of a data loader: drop it, "
+                         f"e.g. DataLoader(..., drop_last=True))")
     if size < chunks:
         raise ValueError(f"a batch of {size} rows cannot be split into {chunks} "
                          f"micro-batches; use chunks <= {size} or a larger batch")
@@ -85,7 +108,7 @@ def split(batch: Any, chunks: int) -> list[Any]:
         if isinstance(leaf, NoChunk):
             columns.append([leaf.tensor] * chunks)
         elif isinstance(leaf, Tensor) and leaf.dim() > 0:
-            columns.append(list(torch.tensor_split(leaf, chunks)))
+            columns.append([part.clone() for part in torch.tensor_split(leaf, chunks)])
         else:
             columns.append([leaf] * chunks)
     return [tree.unflatten([column[k] for column in columns], batch) for k in range(chunks)]

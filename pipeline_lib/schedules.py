@@ -92,6 +92,9 @@ def v_shape(ranks: int) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------
 
 def _check_sizes(ranks: int, microbatches: int) -> None:
+    if not (_is_count(ranks) and _is_count(microbatches)):
+        raise TypeError(f"ranks and microbatches must be ints, got ranks={ranks!r}, "
+                        f"microbatches={microbatches!r}")
     if ranks < 1 or microbatches < 1:
         raise ValueError(f"need ranks >= 1 and microbatches >= 1, got ranks={ranks}, "
                          f"microbatches={microbatches}")
@@ -514,11 +517,34 @@ def _check_placement(schedule: Schedule) -> None:
                             f"no stage to ranks {idle}")
 
 
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_shape(schedule: Schedule) -> None:
+    """Sizes of at least 1, and one list of actions per rank: what the rest reads."""
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"expected a Schedule, got {type(schedule).__name__}; build one by "
+                        f"name with build(name, ranks, microbatches), e.g. "
+                        f"build('1f1b', 4, 8)")
+    for name in ("ranks", "microbatches", "virtual_stages"):
+        value = getattr(schedule, name)
+        if not _is_count(value) or value < 1:
+            raise ScheduleError(f"{schedule.name}: {name} is {value!r}; a schedule needs at "
+                                f"least 1 (an int): no rank, micro-batch or stage per rank "
+                                f"leaves nothing to run")
+    if not isinstance(schedule.actions, (list, tuple)) or \
+            not all(isinstance(program, (list, tuple)) for program in schedule.actions):
+        raise ScheduleError(f"{schedule.name}: actions must be a list holding one list of "
+                            f"Actions per rank, got {type(schedule.actions).__name__}")
+
+
 def _check_actions(schedule: Schedule
                    ) -> tuple[dict[Action, tuple[int, int]], frozenset[tuple[int, int]]]:
     """Each action where it runs, ``(rank, step)``, and `splits_backward`, after checking
     that every (stage, micro-batch) runs one F and one B, or one I and one W, on the rank
     holding the stage."""
+    _check_shape(schedule)
     p, S, m = schedule.ranks, schedule.stages, schedule.microbatches
     if len(schedule.actions) != p:
         raise ScheduleError(f"{schedule.name}: has programs for {len(schedule.actions)} "
@@ -529,7 +555,14 @@ def _check_actions(schedule: Schedule
     runs: dict[str, set[tuple[int, int]]] = {kind: set() for kind in KINDS}
     for r, program in enumerate(schedule.actions):
         for step, a in enumerate(program):
+            if not isinstance(a, Action):
+                raise ScheduleError(f"rank {r} step {step}: {a!r} is a "
+                                    f"{type(a).__name__}, not an Action; write each step as "
+                                    f"Action(stage, kind, microbatch), e.g. Action(0, 'F', 0)")
             s, kind, i = a
+            if not (_is_count(s) and _is_count(i)):
+                raise ScheduleError(f"rank {r} step {step}: {a!r} has stage {s!r} and "
+                                    f"micro-batch {i!r}; both must be ints (0-based indices)")
             if kind not in runs:
                 raise ScheduleError(f"rank {r} step {step}: unknown action kind {kind!r}")
             if not (0 <= s < S and 0 <= i < m):

@@ -17,12 +17,16 @@ the same.
 Where one weight sits below several frontier nodes (a weight used twice, or below a node
 that also leads to another frontier node), W seeds all of them in one call; a pre-hook then
 hands each frontier node the gradient I saw there, so that a gradient flowing into it from
-another seeded node is not counted twice.
+another seeded node is not counted twice. One group's walk may also run nodes of the input
+path that another group needs (a weight used on both sides of another weighted layer), so
+W keeps the graph until its last call.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -67,6 +71,23 @@ def _ancestors(starts: list[Node], parents: dict[Node, list[Node]],
     return found
 
 
+@contextlib.contextmanager
+def _explain_reentrant_checkpoint() -> Iterator[None]:
+    """PyTorch's error for a reentrant checkpoint in a split backward says to use
+    .backward() without ``inputs``, which the split cannot do: say what can be done."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "use_reentrant=True" not in str(error):
+            raise
+        raise RuntimeError("a stage runs torch.utils.checkpoint with use_reentrant=True, "
+                           "whose backward cannot be split into I (input gradients) and W "
+                           "(weight gradients) as this schedule does; pass "
+                           "use_reentrant=False to torch.utils.checkpoint (or let the pipe "
+                           "checkpoint: Pipe(..., checkpoint='always')), or use a schedule "
+                           "with full backwards (gpipe, 1f1b, interleaved_1f1b)") from error
+
+
 @dataclass(eq=False)
 class _Group:
     """Weights that share frontier nodes, and those nodes (W runs one call per group)."""
@@ -83,8 +104,13 @@ class WeightGradients:
     root_grads: dict[Node, Grads]
 
     def run(self) -> None:
-        """W: accumulate every weight's gradient into ``.grad``, freeing the graph."""
-        for group in self.groups:
+        """W: accumulate every weight's gradient into ``.grad``, freeing the graph.
+
+        Each group's call keeps the graph (``retain_graph``) but the last: one group's
+        walk may pass through nodes another's needs (``c.weight = a.weight`` with ``b``
+        between: the walk from c down to a's use runs b's node, whose saved tensors W of
+        b's weight reads). The graph is freed all the same when W drops it, at the end."""
+        for k, group in enumerate(self.groups):
             seeds = [(node, self.seen.get(node, {})) for node in group.frontier]
             seeds += [(node, self.root_grads[node]) for node in group.roots]
             edges = [(GradientEdge(node, i), g) for node, grads in seeds
@@ -95,9 +121,12 @@ class WeightGradients:
                 lambda given, grads=self.seen.get(node, {}): tuple(
                     grads.get(i) for i in range(len(given))))
                 for node in group.frontier]
-            try:     # backward, not grad: accumulation hooks (DDP's all-reduce) must fire
-                torch.autograd.backward([e for e, _ in edges], [g for _, g in edges],
-                                        inputs=group.params)
+            # backward, not grad: accumulation hooks (DDP's all-reduce) must fire
+            try:
+                with _explain_reentrant_checkpoint():
+                    torch.autograd.backward([e for e, _ in edges], [g for _, g in edges],
+                                            inputs=group.params,
+                                            retain_graph=k < len(self.groups) - 1)
             finally:
                 for hook in hooks:
                     hook.remove()
@@ -120,8 +149,8 @@ def backward_input(outputs: list[Tensor], grads: list[Tensor | None], inputs: li
     group_of: dict[Node, _Group] = {}        # frontier or root node -> its group
     for p in params:
         weight = _node(p)
-        if weight not in parents:            # this stage's graph does not use p
-            continue
+        if weight not in parents and weight not in root_grads:   # the graph does not use p
+            continue                         # (an output may be p itself: a stashed weight)
         above = _ancestors([weight], parents, stop=input_side)
         frontier = {n for n in above if n in input_side}
         stuck = {n for n in above if n in root_grads and n not in input_side}
@@ -145,9 +174,10 @@ def backward_input(outputs: list[Tensor], grads: list[Tensor | None], inputs: li
             node, {i: g for i, g in enumerate(given) if g is not None}))
         for group in groups for node in group.frontier]
     try:
-        found = (list(torch.autograd.grad(outputs, inputs, grads, retain_graph=True,
-                                          allow_unused=True)) if inputs and outputs
-                 else [None] * len(inputs))
+        with _explain_reentrant_checkpoint():
+            found = (list(torch.autograd.grad(outputs, inputs, grads, retain_graph=True,
+                                              allow_unused=True)) if inputs and outputs
+                     else [None] * len(inputs))
     finally:
         for hook in hooks:
             hook.remove()

@@ -29,7 +29,7 @@ from pipeline_lib.loss import MicroLoss, micro_loss
 from pipeline_lib.rng import microbatch_rng, seed_for
 from pipeline_lib.skip import SkipKey, SkipTracker, describe, use_tracker
 
-LossFn = Callable[[Any, Any], Any]   # -> a mean-reduced loss, or (loss_sum, count)
+LossFn = Callable[[Any, Any], Any]   # -> a mean-reduced loss, or SumCount(loss_sum, count)
 # (seed, device) -> the block in which a micro-batch draws its random numbers
 RandomStream = Callable[[int, torch.device], ContextManager[None]]
 
@@ -72,7 +72,7 @@ class StageRunner:
     ``loss_fn`` and ``loss_weights`` are given to the last stage only: it turns its
     output into micro-batch i's share of the batch loss: ``loss_fn(out, target) * w_i``
     for a mean-reduced loss (see `microbatch.loss_weights`), or the ``loss_sum`` of a
-    ``(loss_sum, count)`` pair, unscaled (see `pipeline_lib.loss`). ``losses[i]`` keeps
+    ``SumCount(loss_sum, count)``, unscaled (see `pipeline_lib.loss`). ``losses[i]`` keeps
     ``(that value, count or None)``, detached.
 
     ``rng`` gives each micro-batch its random stream (`rng.microbatch_rng`, or
@@ -117,7 +117,8 @@ class StageRunner:
             out = self.module(_owned(self.inputs[microbatch], copy))
             if self.last:
                 loss, count = micro_loss(self.loss_fn(out, self.targets[microbatch]),
-                                         microbatch, need_grad=torch.is_grad_enabled())
+                                         microbatch, need_grad=torch.is_grad_enabled(),
+                                         output=out)
                 out = loss * self.loss_weights[microbatch] if count is None else loss
                 self.losses.setdefault(microbatch, (out.detach(), count))   # not a replay's
         return out, tracker.stashed
@@ -156,7 +157,7 @@ class StageRunner:
                                f"{microbatch} ran twice, or without its forward (a graph "
                                f"from pipe(x) can be backpropagated once: no retain_graph)")
         if microbatch not in self.outputs:
-            with recomputing():
+            with recomputing(self.module):
                 return self._run(microbatch, copy=False)
         return self.outputs.pop(microbatch)
 

@@ -69,29 +69,49 @@ class Timeline:
     def peak_activations(self, stage_size: Sequence[float] | None = None) -> list[float]:
         """`peak_in_flight` with a micro-batch held on stage ``s`` counting
         ``stage_size[s]`` (1 for every stage if not given): a chunk that holds half as
-        many layers holds half as many activations."""
-        last_backward = {}
-        for e in self.events:
+        many layers holds half as many activations.
+
+        A rank runs its actions one after another, so at equal times (actions that cost
+        nothing, or a backward ending as the next forward starts) the rank's own order
+        decides: a micro-batch taken before action k and one released after action j < k
+        were never held together; one released after k was. Sorting by time alone cannot
+        tell, and gave GPipe with zero costs a peak of 0.
+        """
+        turn = self._turns()
+        after_i: dict[tuple[int, int], tuple[float, int]] = {}    # (stage, mb) -> when
+        after_bw: dict[tuple[int, int], tuple[float, int]] = {}
+        for index, e in enumerate(self.events):
+            key = (e.action.stage, e.action.microbatch)
+            when = (e.end, 2 * turn[index] + 1)                   # just after the action
             if e.action.kind in ("B", "W"):
-                last_backward[(e.action.stage, e.action.microbatch)] = e.end
+                after_bw[key] = max(after_bw.get(key, when), when)
             elif e.action.kind == "I":
-                key = (e.action.stage, e.action.microbatch)
-                last_backward.setdefault(key, e.end)
-        changes: list[list[tuple[float, float]]] = [[] for _ in range(self.ranks)]
-        for e in self.events:
+                after_i[key] = when
+        release = after_i | after_bw                # the last B or W, else the I
+        changes: list[list[tuple[float, int, float]]] = [[] for _ in range(self.ranks)]
+        for index, e in enumerate(self.events):
             if e.action.kind == "F":
                 key = (e.action.stage, e.action.microbatch)
                 size = 1.0 if stage_size is None else stage_size[e.action.stage]
-                changes[e.rank].append((e.start, size))
-                changes[e.rank].append((last_backward.get(key, float("inf")), -size))
+                changes[e.rank].append((e.start, 2 * turn[index], size))   # just before it
+                changes[e.rank].append((*release.get(key, (math.inf, 0)), -size))
         peaks = []
         for rank_changes in changes:
             held = peak = 0.0
-            for _, delta in sorted(rank_changes):  # at equal times, releases go first
+            for _, _, delta in sorted(rank_changes):
                 held += delta
                 peak = max(peak, held)
             peaks.append(peak)
         return peaks
+
+    def _turns(self) -> list[int]:
+        """Each event's place in its rank's order: by start, then as listed."""
+        turns = [0] * len(self.events)
+        seen = [0] * self.ranks
+        for index in sorted(range(len(self.events)), key=lambda k: self.events[k].start):
+            rank = self.events[index].rank
+            turns[index], seen[rank] = seen[rank], seen[rank] + 1
+        return turns
 
     def to_dict(self) -> dict:
         return {"ranks": self.ranks, "unit": self.unit, "title": self.title,
@@ -147,6 +167,7 @@ def simulate(schedule: Schedule, forward: Cost = 1.0, backward: Cost = 2.0,
     previous action and its inputs are done), so the actions are timed in any order that
     respects those: `execution_order`'s, which takes time linear in their number.
     """
+    order = execution_order(schedule)      # validates it before anything reads it
     S = schedule.stages
     f = _per_stage(forward, S, "forward")
     b = _per_stage(backward, S, "backward")
@@ -159,15 +180,16 @@ def simulate(schedule: Schedule, forward: Cost = 1.0, backward: Cost = 2.0,
     cost = {"F": f, "B": b, "I": [x - y for x, y in zip(b, w)], "W": w}
 
     with cycle_collector_paused():
-        return _simulate(schedule, cost, comm)
+        return _simulate(schedule, order, cost, comm)
 
 
-def _simulate(schedule: Schedule, cost: dict[str, list[float]], comm: float) -> Timeline:
+def _simulate(schedule: Schedule, order: list[tuple[int, Action, list[Action]]],
+              cost: dict[str, list[float]], comm: float) -> Timeline:
     rank_of = [schedule.rank_of(s) for s in range(schedule.stages)]
     end: dict[Action, float] = {}
     clock = [0.0] * schedule.ranks
     events = []
-    for r, a, deps in execution_order(schedule):
+    for r, a, deps in order:
         start = clock[r]
         for d in deps:
             arrival = end[d] + comm if rank_of[d.stage] != r else end[d]
@@ -183,6 +205,9 @@ def bubble_theory(ranks: int, microbatches: int, virtual_stages: int = 1) -> flo
     """Bubble share of total time for fill-drain schedules with equal stages and B = 2F:
     (p - 1) / (v·m + p - 1); with v = 1 this is GPipe's and 1F1B's (p - 1) / (m + p - 1)."""
     p, m, v = ranks, microbatches, virtual_stages
+    if min(p, m, v) < 1:
+        raise ValueError(f"bubble_theory needs ranks, microbatches and virtual_stages >= 1, "
+                         f"got {p}, {m} and {v}")
     return (p - 1) / (v * m + p - 1)
 
 

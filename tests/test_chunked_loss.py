@@ -73,3 +73,19 @@ def test_a_batch_of_padding_only_is_refused():
     with pytest.raises(ValueError, match="every target is ignore_index"):
         chunked_loss_backward(torch.randn(2, 3, 16), model[-1],
                               torch.full((2, 3), -100), chunk=2)
+
+
+def test_an_empty_batch_is_named_as_empty():
+    """It said "every target is ignore_index" of a batch with no target at all."""
+    model = tiny_model()
+    for shape in [(0, 3), (2, 0)]:
+        with pytest.raises(ValueError, match=r"the batch is empty \(target of shape"):
+            chunked_loss_backward(torch.randn(*shape, 16), model[-1],
+                                  torch.zeros(shape, dtype=torch.long), chunk=2)
+
+
+def test_a_chunk_that_is_not_an_int_is_named():
+    with pytest.raises(ValueError, match=r"chunk must be a positive number of positions "
+                                         r"\(an int\), got 1.5"):
+        chunked_loss_backward(torch.randn(2, 3, 16), tiny_model()[-1],
+                              torch.zeros(2, 3, dtype=torch.long), chunk=1.5)

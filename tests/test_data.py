@@ -232,3 +232,20 @@ def test_an_empty_file_is_named(tmp_path, split):
     folder = write_splits(tmp_path / "data", **{split: b" \n\n"})
     with pytest.raises(ValueError, match=rf"data.{split}\.txt contains no tokens"):
         load_wikitext2(folder)
+
+
+@pytest.mark.parametrize("where", ["a file", "read-only"])
+def test_a_cache_that_cannot_be_written_is_named(empty_env, fake_server, monkeypatch, where):
+    """mkdir and the temporary file were outside the try: a raw OSError."""
+    cache_home = empty_env / "xdg"
+    if where == "a file":
+        cache_home.write_text("not a folder")
+    else:
+        def refuse(*args, **kwargs):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        monkeypatch.setattr(data.tempfile, "mkstemp", refuse)
+    with pytest.raises(OSError, match=r"Could not create a file in .*XDG_CACHE_HOME .* a "
+                                      r"file or a read-only folder\? Set XDG_CACHE_HOME to a "
+                                      r"folder you can write") as err:
+        load_wikitext2()
+    assert str(cache_home) in str(err.value) and "PIPELINE_LIB_DATA" in str(err.value)

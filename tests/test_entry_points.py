@@ -55,6 +55,16 @@ def test_lab_port_is_passed_only_when_asked():
     assert not any(arg.startswith("--port") for arg in lab.lab_command())   # JUPYTER_PORT, config
 
 
+@pytest.mark.parametrize("port", ["99999", "-5", "0", "65536", "eighty"])
+def test_lab_refuses_a_port_outside_1_to_65535(monkeypatch, capsys, port):
+    monkeypatch.setattr(os, "execv", lambda *a: pytest.fail("started jupyter"))
+    with pytest.raises(SystemExit) as exit_:
+        lab.main([f"--port={port}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--port" in err and "1 to 65535" in err, err
+
+
 def run_pytest(*args: str, data: Path | None, cache: Path) -> subprocess.CompletedProcess:
     """This repository's pytest, as `make test` runs it, offline: the download cannot connect."""
     env = {k: v for k, v in os.environ.items()

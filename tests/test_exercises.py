@@ -6,6 +6,9 @@ solution would grade every learner wrong. Both are bugs this file exists to catc
 """
 from __future__ import annotations
 
+import builtins
+import errno
+import io
 import os
 import re
 import sys
@@ -288,3 +291,75 @@ def test_faster_layout_check_names_each_slip(planning, slip):
                                              r"published one\): ") as failed:
         planning.check("7-2", answer)
     assert says in str(failed.value), str(failed.value)
+
+
+def test_make_student_again_keeps_the_learners_answers(tmp_path, capsys):
+    make_student([str(tmp_path)])
+    answered = tmp_path / NOTEBOOKS[0].name
+    nb = nbformat.read(answered, as_version=4)
+    nb.cells[0].source += "\nmy answer"
+    nbformat.write(nb, answered)
+    mine = answered.read_bytes()
+    (tmp_path / NOTEBOOKS[1].name).unlink()                  # deleted to get a fresh one
+    capsys.readouterr()
+    assert make_student([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert answered.read_bytes() == mine
+    assert f"kept {answered}" in out and "not overwritten" in out, out
+    assert f"wrote {tmp_path / NOTEBOOKS[1].name}" in out, out
+    assert f"up to date: {tmp_path / NOTEBOOKS[2].name}" in out, out
+    assert sorted(p.name for p in tmp_path.iterdir()) == [nb.name for nb in NOTEBOOKS]
+
+
+class _FullDisk(io.StringIO):
+    """A file on a disk that fills up after 100 characters: the first write gets that far."""
+
+    def __init__(self, path, real_open):
+        super().__init__()
+        self.path, self.real_open = path, real_open
+
+    def write(self, text):
+        with self.real_open(self.path, "a", encoding="utf8") as f:
+            f.write(text[:100])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_make_student_on_a_full_disk_leaves_no_half_notebook(tmp_path, monkeypatch, capsys):
+    make_student([str(tmp_path)])
+    answered = tmp_path / NOTEBOOKS[0].name
+    nb = nbformat.read(answered, as_version=4)
+    nb.cells[0].source += "\nmy answer"
+    nbformat.write(nb, answered)
+    mine = answered.read_bytes()
+    missing = tmp_path / NOTEBOOKS[1].name
+    missing.unlink()
+    real_open = builtins.open
+
+    def open_on_full_disk(file, mode="r", *args, **kwargs):
+        if "w" in mode and Path(file).parent == tmp_path:
+            return _FullDisk(file, real_open)
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", open_on_full_disk)
+    monkeypatch.setattr(io, "open", open_on_full_disk)
+    capsys.readouterr()
+    assert make_student([str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    monkeypatch.undo()
+    assert answered.read_bytes() == mine                     # the learner's notebook whole
+    assert not missing.exists()                              # no half-written one
+    assert sorted(p.name for p in tmp_path.iterdir()) == \
+        sorted(nb.name for nb in NOTEBOOKS if nb.name != missing.name)   # no temporary left
+    assert f"could not write {missing}" in err and "free some space" in err, err
+
+
+def test_make_student_refuses_a_file_or_the_instructor_folder(tmp_path, capsys):
+    """A file where the folder goes gave a raw FileExistsError."""
+    afile = tmp_path / "student"
+    afile.write_text("")
+    for out, says in [(afile, "cannot make the folder"),
+                      (ROOT / "notebooks", "holds the instructor versions")]:
+        with pytest.raises(SystemExit) as exit_:
+            make_student([str(out)])
+        assert exit_.value.code == 2
+        assert says in capsys.readouterr().err

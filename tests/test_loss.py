@@ -1,10 +1,10 @@
-"""Losses whose normaliser varies by micro-batch: ``loss_fn`` returns (loss_sum, count),
-and the step's gradients are those of (sum over all tokens) / (total tokens)."""
+"""Losses whose normaliser varies by micro-batch: ``loss_fn`` returns SumCount(loss_sum,
+count), and the step's gradients are those of (sum over all tokens) / (total tokens)."""
 import pytest
 import torch
 from torch import nn
 
-from pipeline_lib import Pipe
+from pipeline_lib import Pipe, SumCount
 from conftest import assert_same_grads
 from workloads import PAD, padded_batch, token_mean, token_model, token_sum
 
@@ -60,10 +60,87 @@ def test_inconsistent_or_empty_counts_are_refused():
         calls.append(1)
         return token_sum(logits, t) if len(calls) == 1 else token_mean(logits, t)
 
-    with pytest.raises(TypeError, match="a pair .* for some micro-batches and a single loss"):
+    with pytest.raises(TypeError, match="SumCount.* for some micro-batches and a single loss"):
         pipe.step(inputs, target, sometimes_pairs)
     with pytest.raises(ValueError, match="add up to 0.0 .* ignore_index"):
         pipe.step(inputs, torch.full_like(target, PAD), token_sum)
     with pytest.raises(ValueError, match="count must be one number that carries no gradient"):
-        pipe.step(inputs, target, lambda out, t: (token_sum(out, t)[0], torch.ones(2)))
+        pipe.step(inputs, target, lambda out, t: SumCount(token_sum(out, t)[0], torch.ones(2)))
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_a_plain_pair_is_refused_it_could_be_loss_and_accuracy(schedule):
+    """(loss, accuracy) was read as (loss_sum, count): the step returned the loss divided
+    by the accuracy summed over micro-batches."""
+    inputs, target = padded_batch()
+    model = token_model()
+    pipe = Pipe(model, chunks=4, balance=[1, 1, 1, 1])
+
+    def loss_and_accuracy(logits, t):
+        hits = (logits.argmax(-1) == t)[t != PAD].float().mean()
+        return token_mean(logits, t), hits
+
+    for pair in (loss_and_accuracy, lambda out, t: list(token_sum(out, t))):
+        with pytest.raises(TypeError, match=r"returned a (tuple|list) of 2 for micro-batch 0; "
+                                            r"return a mean-reduced scalar, or "
+                                            r"pipeline_lib.SumCount\(loss_sum, count\)"):
+            pipe.step(inputs, target, pair, schedule)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_bool_count_is_refused_like_a_python_bool():
+    inputs, target = padded_batch()
+    pipe = Pipe(token_model(), chunks=2, balance=[2, 2])
+    for flag in (True, torch.tensor(True)):
+        with pytest.raises(TypeError, match="count"):
+            pipe.step(inputs, target, lambda out, t: SumCount(token_sum(out, t)[0], flag))
+    with pytest.raises(TypeError, match="a bool tensor, a flag rather than a count"):
+        pipe.step(inputs, target, lambda out, t: SumCount(token_sum(out, t)[0],
+                                                          torch.tensor(True)))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb_h1"])
+def test_a_mean_over_a_micro_batch_of_padding_only_names_sumcount(schedule):
+    """The last micro-batch's targets all ignore_index: its mean is 0/0, the step
+    returned NaN (with finite gradients) where the batch's mean is finite."""
+    inputs, target = padded_batch()
+    target[9:] = PAD
+    model = token_model()
+    expected = token_mean(model(inputs), target)
+    assert torch.isfinite(expected)
+    pipe = Pipe(model, chunks=4, balance=[1, 1, 1, 1])
+    with pytest.raises(ValueError, match=r"mean of nan for micro-batch 3 although the model's "
+                                         r"outputs are finite.*ignore_index.*SumCount"):
+        pipe.step(inputs, target, token_mean, schedule)
+    assert all(p.grad is None for p in model.parameters())
+    torch.testing.assert_close(pipe.step(inputs, target, token_sum, schedule),
+                               expected.detach())
+
+
+def test_a_nan_mean_from_nan_outputs_is_passed_on_as_unpipelined():
+    """A model that diverged gives NaN unpipelined too: no error to make up."""
+    inputs, target = padded_batch()
+    model = token_model()
+    with torch.no_grad():
+        model[-1].bias.fill_(float("nan"))
+    loss = Pipe(model, chunks=2, balance=[2, 2]).step(inputs, target, token_mean)
+    assert torch.isnan(loss) and torch.isnan(token_mean(model(inputs), target))
+
+
+def test_a_count_may_be_any_real_number_but_not_negative_or_nan():
+    """numpy's integers were refused as "not a number"; a negative or NaN count was
+    reported as a batch of padding only."""
+    import numpy as np
+    inputs, target = padded_batch()
+    reference, expected = unpipelined()
+    model = token_model()
+    pipe = Pipe(model, chunks=2, balance=[2, 2])
+    loss = pipe.step(inputs, target, lambda out, t: SumCount(token_sum(out, t)[0],
+                                                             np.int64((t != PAD).sum())))
+    torch.testing.assert_close(loss, expected)
+    assert_same_grads(model, reference)
+    for count in (-3.0, float("nan")):
+        with pytest.raises(ValueError, match=f"SumCount's count is {count}; a count is how "
+                                             f"many elements"):
+            pipe.step(inputs, target, lambda out, t: SumCount(token_sum(out, t)[0], count))

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pipeline_lib.checkpoint import is_checkpointing, is_recomputing
+from pipeline_lib.loss import SumCount
 from pipeline_lib.microbatch import loss_weights, split
 from pipeline_lib.partition import group_layers
 from pipeline_lib.rng import microbatch_rng, seed_for
@@ -421,7 +422,7 @@ def test_a_sum_and_count_loss_is_kept_unweighted():
     x, y = torch.randn(4, 3), torch.randn(4, 1)
 
     def loss_fn(out, target):
-        return ((out - target) ** 2).sum(), 4
+        return SumCount(((out - target) ** 2).sum(), 4)
 
     runner = StageRunner(0, lin, CPU, "never", 2, 0, loss_fn=loss_fn,
                          loss_weights=[0.25, 0.75], first=True)

@@ -208,3 +208,56 @@ def test_1f1b_closed_form_holds_on_a_large_pipeline():
     schedule = one_f_one_b(32, 400)
     validate(schedule)
     assert simulate(schedule).makespan == 3 * (400 + 31)
+
+
+@pytest.mark.parametrize("sizes, message", [
+    (dict(ranks=0), "ranks is 0; a schedule needs at least 1"),
+    (dict(microbatches=0), "microbatches is 0; a schedule needs at least 1"),
+    (dict(virtual_stages=0), "virtual_stages is 0; a schedule needs at least 1"),
+    (dict(ranks=2.0), "ranks is 2.0; a schedule needs at least 1 \\(an int\\)"),
+])
+def test_a_schedule_with_nothing_to_run_is_refused(sizes, message):
+    """Zero ranks, micro-batches or stages per rank validated (and simulated as an empty
+    step) instead of being named as the mistake they are."""
+    base = dict(ranks=1, microbatches=1, virtual_stages=1)
+    base.update(sizes)
+    actions = [[] for _ in range(int(base["ranks"]))]
+    s = Schedule("empty", base["ranks"], base["microbatches"], actions, base["virtual_stages"])
+    with pytest.raises(ScheduleError, match=message):
+        validate(s)
+    with pytest.raises(ScheduleError, match=message):
+        simulate(s)
+
+
+@pytest.mark.parametrize("step, message", [
+    ((0, "F", 0), r"rank 0 step 0: \(0, 'F', 0\) is a tuple, not an Action; write each step "
+                  r"as Action\(stage, kind, microbatch\)"),
+    (Action("0", "F", 0), r"rank 0 step 0: .* has stage '0' and micro-batch 0; both must be "
+                          r"ints"),
+])
+def test_a_step_that_is_not_an_action_of_ints_is_named(step, message):
+    s = gpipe(1, 1)
+    s.actions[0][0] = step
+    with pytest.raises(ScheduleError, match=message):
+        validate(s)
+
+
+def test_simulate_validates_the_placement_before_reading_it():
+    s = zb_v(2, 2)
+    s.placement = (0, 1)                         # 2 entries for 4 stages: was an IndexError
+    with pytest.raises(ScheduleError, match=r"placement \[0, 1\] must give a rank"):
+        simulate(s)
+
+
+def test_what_is_not_a_schedule_is_named():
+    """A schedule's name where a Schedule is expected gave AttributeError: 'str' object
+    has no attribute 'ranks'."""
+    for call in (validate, simulate):
+        with pytest.raises(TypeError, match=r"expected a Schedule, got str; build one by "
+                                            r"name with build\(name, ranks, microbatches\)"):
+            call("gpipe")
+    with pytest.raises(TypeError, match="ranks and microbatches must be ints"):
+        build("gpipe", True, 4)                    # was a GPipe of True ranks
+    with pytest.raises(ValueError, match="bubble_theory needs ranks, microbatches and "
+                                         "virtual_stages >= 1, got 1, 0 and 1"):
+        bubble_theory(1, 0)                        # was ZeroDivisionError

@@ -94,3 +94,14 @@ def test_rank_facts_need_the_schedules_ranks():
     schedule = one_f_one_b(2, 2)
     with pytest.raises(ValueError, match="has 4 ranks, the schedule 2"):
         rank_facts(schedule, Timeline(4, simulate(schedule).events))
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_peaks_with_free_actions_follow_each_ranks_order(name):
+    """With every cost 0 all events start at 0: the peaks must be those of any positive
+    costs (they depend on each rank's order only), not 0 as when releases went first."""
+    schedule = build(name, 4, 8)
+    free = simulate(schedule, forward=0.0, backward=0.0, weight=0.0)
+    assert free.makespan == 0.0
+    assert free.peak_in_flight() == simulate(schedule).peak_in_flight()
+    assert free.peak_in_flight() != [0] * 4

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline_lib import SumCount
+
 ROWS, VOCAB, SEQ, PAD = 12, 11, 6, -100
 CHECKPOINTS = ["always", "except_last", "never"]
 BALANCES = {2: [4, 5], 3: [3, 3, 3], 4: [2, 2, 2, 3]}   # for make_model's 9 layers
@@ -80,9 +82,9 @@ def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def token_sum(logits, target):
-    """The (loss_sum, count) form: summed cross-entropy and the number of real tokens."""
-    return (F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=PAD,
-                            reduction="sum"), (target != PAD).sum())
+    """The SumCount form: summed cross-entropy and the number of real tokens."""
+    return SumCount(F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=PAD,
+                                    reduction="sum"), (target != PAD).sum())
 
 
 def token_mean(logits, target):

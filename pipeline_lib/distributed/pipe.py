@@ -73,7 +73,7 @@ input gradients only and fires no DDP hook. That one backward then all-reduces, 
 bucket, overlapped with the rest of it. DDP averages over replicas, so each replica scales
 its micro-batch losses by ``dp`` on top of the global-batch `loss_weights`: the average of
 the replicas' gradients is then exactly the gradient of the global batch's mean loss. A
-``loss_fn`` returning ``(loss_sum, count)`` pairs backpropagates sums instead, and at the
+``loss_fn`` returning ``SumCount(loss_sum, count)`` backpropagates sums instead, and at the
 end of the step every rank multiplies its gradients by dp / (the count of all replicas'
 micro-batches together), which one all-reduce gives every rank (`pipeline_lib.loss`).
 
@@ -199,7 +199,7 @@ class DistributedPipe:
         targets). Gradients accumulate as in `Pipe.step`; returns the global batch's loss
         on the ranks holding the last stage, None on the others. Inputs, targets and the
         activations between stages may be trees (see `microbatch.split`), and ``loss_fn``
-        may return a mean or a ``(loss_sum, count)`` pair (see `pipeline_lib.loss`).
+        may return a mean or a ``SumCount(loss_sum, count)`` (see `pipeline_lib.loss`).
 
         If the step fails on any rank, every rank raises (the others once that rank's
         process has ended, as `job.process_group` ends it) and ``.grad`` is left as it was."""
@@ -390,7 +390,7 @@ class DistributedPipe:
         dist.all_reduce(agreed)   # [total count, replicas whose loss_fn returned counts]
         total, counted = agreed.tolist()
         if counted not in (0, mesh.dp):
-            raise RuntimeError(f"loss_fn returned (loss_sum, count) pairs on {counted:g} of "
+            raise RuntimeError(f"loss_fn returned SumCount(loss_sum, count) on {counted:g} of "
                                f"the {mesh.dp} replicas and means on the others; return the "
                                f"same kind everywhere")
         if counted:

@@ -31,12 +31,17 @@ IGNORE_INDEX = -100   # F.cross_entropy's default: a target equal to it counts f
 def check_loss_inputs(features: Tensor, target: Tensor, chunk: int) -> None:
     """Raise a ValueError that says what to fix if ``features``, ``target`` and ``chunk``
     cannot go through `chunked_loss_backward` (checked before any work is split up)."""
-    if chunk < 1:
-        raise ValueError(f"chunk must be a positive number of positions, got {chunk}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive number of positions (an int), got "
+                         f"{chunk!r}")
     if features.shape[:-1] != target.shape:
         raise ValueError(f"features {tuple(features.shape)} and target "
                          f"{tuple(target.shape)} disagree: expected features [B, T, D] "
                          f"for target [B, T]")
+    if target.numel() == 0:
+        raise ValueError(f"the batch is empty (target of shape {tuple(target.shape)}): a "
+                         f"mean over no token is undefined; pass at least one row and one "
+                         f"position (an empty last batch: leave it out)")
 
 
 def counted_tokens(target: Tensor, ignore_index: int = IGNORE_INDEX) -> int:

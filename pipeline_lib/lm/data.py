@@ -82,8 +82,17 @@ def download_split(split: str, folder: Path, progress: bool = True) -> Path:
     ``.part`` file; `find_wikitext2` removes those before the next download.)
     """
     url = URL_TEMPLATE.format(split=split)
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=folder, prefix=f".{split}.", suffix=".part")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(dir=folder, prefix=f".{split}.", suffix=".part")
+    except OSError as err:
+        raise OSError(
+            err.errno,
+            f"Could not create a file in {folder}, where WikiText-2 is downloaded to "
+            f"({err}). Is XDG_CACHE_HOME ({os.environ.get('XDG_CACHE_HOME', 'not set')}) "
+            f"a file or a read-only folder? Set XDG_CACHE_HOME to a folder you can write. "
+            f"{_HOW_TO_PROVIDE}",
+        ) from err
     tmp = Path(tmp_name)
     try:
         try:

@@ -60,9 +60,14 @@ class Pipe(nn.Module):
       gradient straight back. They are checked here: mismatches raise `SkipError`.
     * ``deferred_batch_norm=True``: BatchNorm layers become `DeferredBatchNorm`, whose
       running statistics are updated once per mini-batch, as without micro-batches.
+<<<<<<< HEAD
     * Stage threads run under the caller's thread-local modes: ``torch.autocast``,
       saved-tensor hooks (``torch.autograd.graph.save_on_cpu``), grad and inference
       mode, the thread count (see `pipeline_lib.thread_state`).
+=======
+      Without it they are updated once per micro-batch; checkpointing adds no update (a
+      replay puts them back as it found them, see `pipeline_lib.checkpoint`).
+>>>>>>> robust-misc
     * Stages stay on their devices: moving the Pipe (``.cuda()``, ``.to(device)``)
       raises `TypeError`; a dtype conversion (``.double()``) is fine.
     * With a stage on the CPU, building a Pipe sets glibc's allocator, process-wide and
@@ -75,7 +80,7 @@ class Pipe(nn.Module):
     autograd, so ``criterion(pipe(x), y).backward()`` trains as usual; autograd runs the
     backward, calling each stage's. ``pipe.step(x, y, loss_fn, schedule)`` runs forward
     and backward under a schedule, one thread per device, and records ``pipe.timeline``;
-    ``loss_fn`` returns a mean or a ``(loss_sum, count)`` pair (see `pipeline_lib.loss`).
+    ``loss_fn`` returns a mean or a ``SumCount(loss_sum, count)`` (see `pipeline_lib.loss`).
     Both leave no stage thread running when they fail or are interrupted.
     """
 
@@ -262,7 +267,7 @@ class Pipe(nn.Module):
 
         ``inputs`` and ``target`` are tensors or trees of them (see `microbatch.split`)
         with the same number of rows. ``loss_fn(output, target)`` returns either a
-        mean-reduced scalar or a pair ``(loss_sum, count)`` (see `pipeline_lib.loss`);
+        mean-reduced scalar or a ``SumCount(loss_sum, count)`` (see `pipeline_lib.loss`);
         parameter gradients accumulate as ``loss.backward()`` of the whole batch's loss
         would add them (mean, or Σ loss_sum / Σ count), and that loss is returned,
         detached. If the step fails or is interrupted, ``.grad`` is left as it was, and
