@@ -157,17 +157,12 @@ def test_2_3_library_shortcut_fails():
 # 2.4 ---------------------------------------------------------------------------------
 def peak_held(program, v, frees=("B", "W"), divide=True):
     held, peak = set(), 0
-    split_ones = {(a.stage, a.microbatch) for a in program if a.kind == "W"}
     for a in program:
-        unit = (a.stage, a.microbatch)
         if a.kind == "F":
-            held.add(unit)
-        elif a.kind in frees and (a.kind != "I" or unit in held):
-            held.discard(unit)
-        elif a.kind == "B":
-            held.discard(unit)
+            held.add((a.stage, a.microbatch))
+        elif a.kind in frees:
+            held.discard((a.stage, a.microbatch))
         peak = max(peak, len(held))
-    del split_ones
     return peak / v if divide else peak
 
 
