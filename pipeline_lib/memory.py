@@ -13,6 +13,10 @@ the stage *inputs* a checkpointed stage keeps for that replay (one tensor per mi
 and whatever the loss function saves on the last stage, which runs outside its module.
 `pipeline_lib.partition.layer_memory` counts each layer's activations with it too.
 
+`CountedLoss`: a loss function that counts, with the same hooks, what *it* saves for its
+backward (a language model's log-softmax: one float per logit, often the largest
+activation of all), which `SavedActivations` cannot see.
+
 `PeakTensorMemory`: the peak of tensor memory a block of code allocates. GPUs answer this
 with ``torch.cuda.max_memory_allocated``; the CPU allocator keeps no such statistic. So
 `PeakTensorMemory` watches every operation PyTorch runs inside the block (a
@@ -133,6 +137,44 @@ class SavedActivations:
         if not hasattr(self._active, "stack"):
             self._active.stack = []
         return self._active.stack
+
+
+class CountedLoss:
+    """``loss_fn`` that counts the bytes it saves for its backward while autograd holds them.
+
+    ``counted = CountedLoss(lm_loss)``; pass ``counted`` where the loss goes (``pipe.step(x,
+    y, counted)``); then ``counted.peak`` is the most bytes its saved tensors held at once,
+    over every call, and ``counted.held`` what is still held (0 once every backward ran).
+    A tensor saved twice (cross-entropy saves its log-probabilities in log-softmax and again
+    in the loss that reads them) exists once, so it counts once. The hooks are installed
+    around each call, on the calling thread: the last stage's thread, in a pipeline.
+    """
+
+    def __init__(self, loss_fn: Callable[..., Tensor]):
+        self.loss_fn = loss_fn
+        self.held = 0
+        self.peak = 0
+        self._counts: dict[_Key, int] = {}
+        self._lock = threading.Lock()
+
+    def _change(self, key: _Key, delta: int) -> None:
+        with self._lock:
+            before = self._counts.pop(key, 0)
+            now = before + delta
+            if now:
+                self._counts[key] = now
+            if before == 0 or now == 0:
+                self.held += key[1] * delta
+                self.peak = max(self.peak, self.held)
+
+    def _pack(self, tensor: Tensor) -> _Held:
+        key = (tensor.data_ptr(), tensor.nbytes)
+        self._change(key, +1)
+        return _Held(tensor, lambda: self._change(key, -1))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda held: held.tensor):
+            return self.loss_fn(*args, **kwargs)
 
 
 class PeakTensorMemory(TorchDispatchMode):

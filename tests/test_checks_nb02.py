@@ -8,9 +8,10 @@ import pytest
 
 from pipeline_lib.course.checks import nb02
 from pipeline_lib.course.exercises import ExerciseFailed, exercise
+from pipeline_lib.executor import run_program
 from pipeline_lib.schedules import (Action, Schedule, build, gpipe, interleaved_1f1b,
                                     one_f_one_b, one_forward_one_backward)
-from pipeline_lib.threaded.threads import run_programs
+from pipeline_lib.threaded.threads import run_threads
 from pipeline_lib.timeline import simulate
 
 EX_2_1 = "Exercise 2.1 (GPipe as an action list)"
@@ -149,9 +150,10 @@ def test_2_3_wrong_answers_fail(answer, says):
     fails(EX_2_3, nb02.check_stage_loop, answer, says=says)
 
 
-def test_2_3_library_shortcut_fails():
-    fails(EX_2_3, nb02.check_stage_loop, lambda *a: run_programs(*a), globals(),
-          says="your code calls `run_programs`")
+@pytest.mark.parametrize("answer, name", [(lambda *a: run_program(*a), "run_program"),
+                                          (lambda *a: run_threads(*a), "run_threads")])
+def test_2_3_library_shortcut_fails(answer, name):
+    fails(EX_2_3, nb02.check_stage_loop, answer, globals(), says=f"your code calls `{name}`")
 
 
 # 2.4 ---------------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 * `exercises`: the exercises' checks (`exercise`, `withheld`); ``make student`` strips
   the solutions they check;
 * `speed`: a measured step taken apart (is the pipeline faster, and why not);
+* `timing`: several ways of doing one thing timed in turns, and how busy the machine was (03);
+* `checks`: each notebook's exercise checks, one module per notebook (``checks.nb03``);
 * `data_parallel`: ``nn.DataParallel`` from its four primitives, on any devices (04);
 * `pytorch_schedules`: PyTorch's own schedules as our `Schedule`, to compare (02b, 06);
 * `workers`: code that only one notebook's ``torchrun`` workers run (04, 05, 06).

@@ -1,1 +1,2 @@
-"""Each notebook's exercise checks, as functions its check cells and the tests both call."""
+"""The notebooks' exercise checks, one module per notebook, called by its check cells and by
+tests/test_checks_nb*.py with plausible wrong answers."""

@@ -189,7 +189,7 @@ def run_stage_threads(loop: Callable, schedule: Schedule,
         inputs, targets = split(x, m), split(y, m)
         runners = [StageRunner(s, model[s], torch.device("cpu"), "never", m, step_seed=0,
                                loss_fn=nn.functional.mse_loss if s == p - 1 else None,
-                               loss_weights=loss_weights(targets), first=s == 0)
+                               loss_weights=loss_weights(targets), input_as_given=s == 0)
                    for s in range(p)]
         watched = [_Watched(runner) for runner in runners]
         mail, errors = Mail(), []
@@ -222,7 +222,7 @@ def check_stage_loop(stage_loop: Callable, namespace: Namespace = None) -> None:
     model trains as unpipelined, under GPipe, 1F1B and ZB-H1 (I and W)."""
     for schedule in (gpipe(3, 4), one_f_one_b(3, 4), zb_h1(3, 4)):
         ran: list[list[Action]] = []
-        with withheld("pipeline_lib.threaded", namespace=namespace):
+        with withheld("pipeline_lib.threaded", "pipeline_lib.executor", namespace=namespace):
             gap = differences_from_unpipelined(run_stage_threads(stage_loop, schedule, ran))
         for s, (mine, program) in enumerate(zip(ran, schedule.actions)):
             _require(mine == list(program),

@@ -1,0 +1,315 @@
+"""Notebook 03's exercise checks, in-process: the solution passes, and plausible wrong
+answers and the library shortcut each fail with the exercise's own message."""
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+
+import pytest
+import torch
+
+from pipeline_lib.course.checks import nb03
+from pipeline_lib.course.exercises import ExerciseFailed, exercise
+from pipeline_lib.lm.data import get_batch
+from pipeline_lib.lm.loops import evaluate, lm_loss
+from pipeline_lib.lm.model import transformer_lm
+from pipeline_lib.partition import optimal_split, stage_costs
+
+EX31 = "Exercise 3.1 (the balance that minimises the step)"
+EX32 = "Exercise 3.2 (an optimal partitioner for 50 layers)"
+EX33 = "Exercise 3.3 (a token-weighted evaluation)"
+
+#: Per-layer times shaped like the notebook's CPU model: a cheap embedding, four blocks, a
+#: decoder with the loss that costs most (these are what the decoder-dominated check used).
+MEASURED = {"with the loss": [0.7e-3, 5.8e-3, 4.1e-3, 5.6e-3, 5.6e-3, 30.8e-3],
+            "without the loss": [0.7e-3, 5.8e-3, 4.1e-3, 5.6e-3, 5.6e-3, 27.1e-3]}
+
+
+def fails(name: str, run) -> str:
+    with pytest.raises(ExerciseFailed) as failed:
+        with exercise(name):
+            run()
+    message = str(failed.value)
+    assert message.startswith(name + ": "), message
+    return message
+
+
+def passes(name: str, run, capsys) -> None:
+    with exercise(name):
+        run()
+    assert f"{name}: passed" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------- 3.1 and 3.2: balances
+
+
+def brute_force(costs, stages):
+    """The notebook's solution of 3.1: try every placement of the cuts."""
+    best, best_slowest = None, math.inf
+    for cuts in itertools.combinations(range(1, len(costs)), stages - 1):
+        bounds = [0, *cuts, len(costs)]
+        slowest = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+        if slowest < best_slowest:
+            best, best_slowest = bounds, slowest
+    return [b - a for a, b in zip(best, best[1:])]
+
+
+def bottleneck_search(costs, stages):
+    """The notebook's solution of 3.2: binary search on the slowest stage's cost, each
+    candidate tested by packing layers greedily; then the fewest-layers-first balance."""
+    def stages_needed(limit):
+        count, load = 1, 0.0
+        for c in costs:
+            if load + c > limit:
+                count, load = count + 1, 0.0
+            load += c
+        return count
+
+    low, high = max(costs), sum(costs)
+    candidates = sorted({sum(costs[a:b]) for a in range(len(costs))
+                         for b in range(a + 1, len(costs) + 1)})
+    candidates = [c for c in candidates if low <= c <= high]
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if stages_needed(candidates[mid]) <= stages:
+            hi = mid
+        else:
+            lo = mid + 1
+    limit = candidates[lo]
+    balance, load, count = [], 0.0, 0
+    for i, c in enumerate(costs):
+        left, open_stages = len(costs) - i, stages - len(balance)
+        if count and (load + c > limit or left < open_stages):
+            balance.append(count)
+            load, count = 0.0, 0
+        load += c
+        count += 1
+    balance.append(count)
+    return balance
+
+
+def last_alone(costs, stages):
+    """The last layer (the decoder, with the loss) alone, the other layers spread evenly."""
+    q, r = divmod(len(costs) - 1, stages - 1)
+    return [q + (i < r) for i in range(stages - 1)] + [1]
+
+
+def even_counts(costs, stages):
+    q, r = divmod(len(costs), stages)
+    return [q + (i < r) for i in range(stages)]
+
+
+def greedy_at_share(costs, stages):
+    """Close a stage as soon as it reaches its share of the total."""
+    share, balance, load, count = sum(costs) / stages, [], 0.0, 0
+    for i, c in enumerate(costs):
+        load, count = load + c, count + 1
+        must = len(costs) - i - 1 == stages - len(balance) - 1
+        if len(balance) < stages - 1 and (load >= share or must):
+            balance.append(count)
+            load, count = 0.0, 0
+    return balance + [count] if count else balance
+
+
+def greedy_below_share(costs, stages):
+    """Close a stage before the layer that would take it past its share."""
+    share, balance, load, count = sum(costs) / stages, [], 0.0, 0
+    for c in costs:
+        if count and load + c > share and len(balance) < stages - 1:
+            balance.append(count)
+            load, count = 0.0, 0
+        load, count = load + c, count + 1
+    return balance + [count]
+
+
+def shortcut(costs, stages):
+    return optimal_split(costs, stages)
+
+
+def test_the_designed_costs_defeat_every_rule_by_a_margin():
+    for costs, stages in [*((c, 3) for c in nb03.UNEVEN_COSTS),
+                          *((c, 8) for c in nb03.LONG_COSTS)]:
+        best = max(stage_costs(costs, optimal_split(costs, stages)))
+        for rule in (last_alone, even_counts, greedy_at_share, greedy_below_share):
+            assert max(stage_costs(costs, rule(list(costs), stages))) >= 1.09 * best, rule
+
+
+def test_3_1_solution_passes(capsys):
+    passes(EX31, lambda: nb03.check_fastest_balance(brute_force, MEASURED, 2), capsys)
+
+
+@pytest.mark.parametrize("wrong", [last_alone, even_counts, greedy_at_share,
+                                   greedy_below_share])
+def test_3_1_wrong_answers_fail(wrong):
+    message = fails(EX31, lambda: nb03.check_fastest_balance(wrong, MEASURED, 2))
+    assert "slowest stage" in message
+
+
+def test_3_1_the_wrong_rules_pass_on_the_decoder_dominated_times_alone():
+    """Why the check needs UNEVEN_COSTS: on the measured times "last alone" is optimal."""
+    for costs in MEASURED.values():
+        assert last_alone(costs, 2) == optimal_split(costs, 2)
+
+
+def test_3_1_shortcut_fails():
+    message = fails(EX31, lambda: nb03.check_fastest_balance(shortcut, MEASURED, 2,
+                                                             namespace=globals()))
+    assert "optimal_split" in message
+    assert optimal_split([1.0, 2.0], 2) == [1, 1]       # restored afterwards
+
+
+def test_3_1_balance_with_a_wrong_stage_count_fails():
+    message = fails(EX31, lambda: nb03.check_fastest_balance(
+        lambda costs, stages: [len(costs)], MEASURED, 2))
+    assert "stages" in message
+
+
+def test_3_2_solution_passes(capsys):
+    passes(EX32, lambda: nb03.check_partitioner(bottleneck_search), capsys)
+
+
+def test_3_2_the_dynamic_program_passes(capsys):
+    def dynamic_program(costs, stages):
+        prefix = list(itertools.accumulate(costs, initial=0))
+        n = len(costs)
+        best = {(1, i): (prefix[n] - prefix[i], None) for i in range(n)}
+        for s in range(2, stages + 1):
+            for i in range(n - s + 1):
+                best[s, i] = min((max(prefix[e] - prefix[i], best[s - 1, e][0]), e)
+                                 for e in range(i + 1, n - s + 2))
+        balance, i = [], 0
+        for s in range(stages, 1, -1):
+            e = best[s, i][1]
+            balance.append(e - i)
+            i = e
+        return balance + [n - i]
+    passes(EX32, lambda: nb03.check_partitioner(dynamic_program), capsys)
+
+
+@pytest.mark.parametrize("wrong", [last_alone, even_counts, greedy_at_share,
+                                   greedy_below_share])
+def test_3_2_wrong_answers_fail(wrong):
+    fails(EX32, lambda: nb03.check_partitioner(wrong))
+
+
+def test_3_2_search_that_leaves_stages_empty_fails():
+    def packed_only(costs, stages):      # the greedy packing at the right bound, unsplit
+        limit = max(stage_costs(costs, optimal_split(costs, stages)))
+        balance, load = [0], 0.0
+        for c in costs:
+            if load + c > limit:
+                balance.append(0)
+                load = 0.0
+            load += c
+            balance[-1] += 1
+        return balance
+    assert "stages" in fails(EX32, lambda: nb03.check_partitioner(packed_only))
+
+
+def test_3_2_shortcut_fails():
+    assert "optimal_split" in fails(EX32, lambda: nb03.check_partitioner(
+        shortcut, namespace=globals()))
+
+
+def test_3_2_brute_force_runs_out_of_time():
+    assert "longer than" in fails(EX32, lambda: nb03.check_partitioner(brute_force,
+                                                                        seconds=0.5))
+
+
+# --------------------------------------------------------------------- 3.3: evaluation
+
+BPTT = 7
+
+
+@pytest.fixture(scope="module")
+def lm():
+    torch.manual_seed(0)
+    model = transformer_lm(40, "cpu", d_model=16, d_hid=32, nlayers=1, nhead=2, dropout=0.1)
+    source = torch.randint(40, (3, 2 * BPTT + 6 + 11))
+    return model, source
+
+
+def solution(model, source, bptt):
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, source.size(1) - 1, bptt):
+            inputs, targets = get_batch(source, i, bptt)
+            total += lm_loss(model(inputs), targets, reduction="sum").item()
+            tokens += targets.numel()
+    return total / tokens
+
+
+def batch_mean(model, source, bptt):
+    with torch.no_grad():
+        return statistics.mean(lm_loss(model(x), y).item() for x, y in
+                               (get_batch(source, i, bptt)
+                                for i in range(0, source.size(1) - 1, bptt)))
+
+
+def tutorial_formula(model, source, bptt):
+    total = 0.0
+    with torch.no_grad():
+        for i in range(0, source.size(1) - 1, bptt):
+            x, y = get_batch(source, i, bptt)
+            total += len(x) * lm_loss(model(x), y).item()
+    return total / (source.size(1) - 1)
+
+
+def drops_the_short_batch(model, source, bptt):
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, source.size(1) - bptt, bptt):
+            x, y = get_batch(source, i, bptt)
+            if y.size(1) < bptt:
+                continue
+            total += lm_loss(model(x), y, reduction="sum").item()
+            tokens += y.numel()
+    return total / tokens
+
+
+def full_batches_assumed(model, source, bptt):
+    total, batches = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, source.size(1) - 1, bptt):
+            x, y = get_batch(source, i, bptt)
+            total += lm_loss(model(x), y, reduction="sum").item()
+            batches += 1
+    return total / (batches * bptt * source.size(0))
+
+
+def returns_a_tensor(model, source, bptt):
+    return torch.tensor(solution(model, source, bptt))
+
+
+def shortcut_evaluate(model, source, bptt):
+    return evaluate(model, source, bptt)[0]
+
+
+def test_3_3_solution_passes(lm, capsys):
+    model, source = lm
+    model.train()
+    passes(EX33, lambda: nb03.check_token_weighted_loss(solution, model, source, BPTT), capsys)
+    assert model.training                       # the check restores the mode
+
+
+@pytest.mark.parametrize("wrong, says", [
+    (batch_mean, "mean of the 3 batch means"), (tutorial_formula, "tutorial's formula"),
+    (drops_the_short_batch, "Every batch counts"), (full_batches_assumed, "Every batch counts"),
+    (returns_a_tensor, "Python float")])
+def test_3_3_wrong_answers_fail(lm, wrong, says):
+    model, source = lm
+    assert says in fails(EX33, lambda: nb03.check_token_weighted_loss(wrong, model, source, BPTT))
+
+
+def test_3_3_shortcut_fails(lm):
+    model, source = lm
+    assert "evaluate" in fails(EX33, lambda: nb03.check_token_weighted_loss(
+        shortcut_evaluate, model, source, BPTT, namespace=globals()))
+
+
+def test_3_3_needs_enough_columns(lm):
+    model, source = lm
+    with pytest.raises(ValueError, match="2 \\* bptt \\+ 6"):
+        nb03.check_token_weighted_loss(solution, model, source[:, :10], BPTT)
