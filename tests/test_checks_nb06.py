@@ -348,7 +348,29 @@ NEVER_SENDS_BODY = '''
 '''
 
 
-@pytest.mark.parametrize("body, says", [(SOLUTION_BODY, None),
+BATCHED_BODY = '''
+    from torch.distributed import P2POp, batch_isend_irecv, recv, send
+    def post(op, tensor, peer):
+        for work in batch_isend_irecv([P2POp(op, tensor, group_peer=peer)]):
+            work.wait()
+    if rank == 0:
+        activation = stage(x)
+        post(dist.isend, activation.detach(), 1)
+        grad = torch.empty_like(activation)
+        recv(grad, group_src=1)
+        activation.backward(grad)
+        return None
+    activation = torch.empty(4, 16)
+    post(dist.irecv, activation, 0)
+    activation.requires_grad_()
+    output = stage(activation)
+    nn.functional.mse_loss(output, target).backward()
+    send(activation.grad, group_dst=0)
+    return output.detach()
+'''
+
+
+@pytest.mark.parametrize("body, says", [(SOLUTION_BODY, None), (BATCHED_BODY, None),
                                         (NEVER_SENDS_BODY, "sent 0 messages")])
 def test_6_1_under_torchrun_counts_the_real_sends(tmp_path, monkeypatch, body, says):
     import os

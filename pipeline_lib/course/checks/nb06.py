@@ -196,12 +196,13 @@ def _batch_isend_irecv(ops: Sequence[_P2POp]) -> list[Any]:
 @contextmanager
 def _rebound(replacements: dict[str, Callable[..., Any]],
              *namespaces: dict[str, Any] | None) -> Iterator[None]:
-    """``torch.distributed``'s functions named in ``replacements`` replaced, in the package,
-    in its ``distributed_c10d`` module (whose own helpers, such as
-    ``new_subgroups_by_enumeration``, call them there) and in ``namespaces`` (the
-    learner's module: ``from torch.distributed import send`` binds a name of its own
-    there); everything restored afterwards."""
-    spaces = [vars(dist), vars(c10d)] + [space for space in namespaces if space is not None]
+    """``torch.distributed``'s functions named in ``replacements`` replaced, in the package
+    and in ``namespaces``: the learner's module (``from torch.distributed import send``
+    binds a name of its own there), and ``distributed_c10d`` where its own helpers must
+    see them too (``new_subgroups_by_enumeration`` calls ``new_group`` there; not where a
+    replacement calls the original, since ``send`` itself calls ``isend`` there);
+    everything restored afterwards."""
+    spaces = [vars(dist)] + [space for space in namespaces if space is not None]
     originals = {id(getattr(dist, name)): name for name in replacements}
     saved = [(space, key, value) for space in spaces for key, value in list(space.items())
              if callable(value) and id(value) in originals]
@@ -470,7 +471,7 @@ def _groups_of(make_groups: Callable[..., Any], rank: int, pp: int, dp: int
 
     with (_rebound({"new_group": new_group, "get_rank": lambda group=None: rank,
                     "get_world_size": lambda group=None: pp * dp},
-                   getattr(make_groups, "__globals__", None)),
+                   vars(c10d), getattr(make_groups, "__globals__", None)),
           withheld("pipeline_lib.distributed.mesh")):
         returned = make_groups(rank, pp, dp)
     return created, returned
