@@ -7,10 +7,14 @@
   transport (a deadlock is found at once: both ranks waiting to receive); `send_recv_worker`
   runs it under ``torchrun`` with the real calls, counted. Either way `verify_send_recv`
   checks what each rank sent (one activation forward, one gradient back, their values),
-  the output and every gradient against the unpipelined model.
+  the output and every gradient against the unpipelined model. A right answer may be
+  written with ``send``/``recv``, ``isend``/``irecv`` or ``batch_isend_irecv``, named
+  through ``dist.`` or imported from ``torch.distributed``: both ways reach them all.
 * **6.2** (PyTorch's lowered action lists): the expected schedules are read first with
   `pytorch_schedule`, which is the reference solution, and the learner's function then
-  runs inside `withheld`, where calling it fails.
+  runs inside `withheld`, where calling it fails. The cases include 4 stages per rank (so
+  a 2 written in fails), and the name passed is a label PyTorch does not know (so an
+  answer that asks PyTorch for the named schedule instead of reading ``ops`` fails).
 * **6.3** (pipeline and data-parallel groups on a ``dp × pp`` mesh): ``dist.new_group`` is
   collective, so the check runs the learner's ``make_groups`` once per rank in this process
   with a recording ``new_group`` and checks that every rank creates the same groups in the
@@ -291,8 +295,10 @@ def verify_send_recv(results: Sequence[dict[str, Any]]) -> None:
         sent = results[src]["sent"]
         shapes = [tuple(s.tensor.shape) for s in sent]
         _check(len(sent) == 1, f"rank {src} sent {len(sent)} messages {shapes}; it must send "
-               f"exactly one, {what}, to rank {1 - src}. A rank that computes the other "
-               f"rank's layers itself is not a pipeline: each rank holds only its stage")
+               f"exactly one, {what}, to rank {1 - src}"
+               + (". A rank that computes the other rank's layers itself is not a pipeline: "
+                  "each rank holds only its stage" if src == 0 and not sent else
+                  ", after its backward" if src == 1 and not sent else ""))
         message = sent[0]
         _check(message.dst == 1 - src, f"rank {src} sent its message to rank {message.dst}; "
                f"send it to rank {1 - src}")
