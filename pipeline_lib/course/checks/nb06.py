@@ -305,9 +305,8 @@ def verify_send_recv(results: Sequence[dict[str, Any]]) -> None:
         _check(message.tensor.shape == want.shape and torch.allclose(message.tensor, want,
                                                                       atol=1e-6),
                f"rank {src} sent a {tuple(message.tensor.shape)} tensor that is not {what} "
-               f"({tuple(want.shape)})"
-               + (": did rank 1 call requires_grad_() on the received activation before "
-                  "its forward, and send activation.grad?" if src == 1 else ""))
+               f"({tuple(want.shape)})" + (_gradient_hint(message.tensor, want)
+                                            if src == 1 else ""))
     output = results[1]["output"]
     _check(isinstance(output, Tensor) and output.shape == expected.shape,
            f"rank 1 must return the output, a tensor of shape {tuple(expected.shape)}; it "
@@ -329,6 +328,20 @@ def verify_send_recv(results: Sequence[dict[str, Any]]) -> None:
                    f"model's by {(grad - want).abs().max().item():.2e}"
                    + (": backpropagate the gradient rank 1 sent, activation.backward(grad)"
                       if rank == 0 else ""))
+
+
+def _gradient_hint(sent: Tensor, want: Tensor) -> str:
+    """What to look at when rank 1's message is not the activation's gradient: a gradient
+    off by a constant factor comes from another loss (a sum instead of MSE's mean); zeros,
+    or anything else, from a received activation that took no part in the backward."""
+    if sent.shape == want.shape:
+        factor = (sent * want).sum() / (want * want).sum()
+        if (torch.allclose(sent, factor * want, atol=1e-6)
+                and abs(factor.item()) > 1e-3 and abs(factor.item() - 1) > 1e-4):
+            return (f": it is {factor.item():.4g} times that gradient. The loss is "
+                    f"nn.functional.mse_loss(output, target), with its default mean")
+    return (": did rank 1 call requires_grad_() on the received activation before its "
+            "forward, and send activation.grad?")
 
 
 def _check(ok: bool, message: str) -> None:
