@@ -12,7 +12,7 @@ from torch import nn
 
 from pipeline_lib.course.checks import nb01
 from pipeline_lib.course.exercises import ExerciseFailed, exercise
-from pipeline_lib.microbatch import gather, split
+from pipeline_lib.microbatch import gather, loss_weights, split
 from pipeline_lib.schedules import gpipe
 from pipeline_lib.timeline import simulate
 
@@ -40,16 +40,16 @@ def passes(name: str, check, *answer) -> None:
 # 1.1 ---------------------------------------------------------------------------------
 def split_rows(batch, m):
     size, extra = divmod(len(batch), m)
-    chunks, start = [], 0
+    micro_batches, start = [], 0
     for k in range(m):
         rows = size + (1 if k < extra else 0)
-        chunks.append(batch[start:start + rows])
+        micro_batches.append(batch[start:start + rows])
         start += rows
-    return chunks
+    return micro_batches
 
 
-def gather_rows(chunks):
-    return torch.cat(chunks)
+def gather_rows(micro_batches):
+    return torch.cat(micro_batches)
 
 
 def split_smaller_first(batch, m):         # 10 rows in 4: 2, 2, 3, 3
@@ -66,8 +66,8 @@ def split_strided(batch, m):               # every m-th row: right sizes, wrong 
     return [batch[k::m] for k in range(m)]
 
 
-def gather_reversed(chunks):
-    return torch.cat(list(reversed(chunks)))
+def gather_reversed(micro_batches):
+    return torch.cat(list(reversed(micro_batches)))
 
 
 def test_1_1_solution_passes():
@@ -86,7 +86,7 @@ def test_1_1_wrong_answers_fail(answer, says):
 
 def test_1_1_library_shortcut_fails():
     fails(EX_1_1, nb01.check_split_and_gather, lambda b, m: split(b, m),
-          lambda chunks: gather(chunks), globals(), says="your code calls `split`")
+          lambda micro_batches: gather(micro_batches), globals(), says="your code calls `split`")
 
 
 # 1.2 ---------------------------------------------------------------------------------
@@ -143,6 +143,20 @@ def test_1_2_solution_passes():
 ])
 def test_1_2_wrong_answers_fail(answer, says):
     fails(EX_1_2, nb01.check_accumulate, answer, says=says)
+
+
+def with_library_weights(model, x, y, m):   # the library's weights: the exercise's answer
+    total, targets = torch.zeros(()), split(y, m)
+    for xi, yi, weight in zip(split(x, m), targets, loss_weights(targets)):
+        loss = nn.functional.mse_loss(model(xi), yi) * weight
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def test_1_2_library_shortcut_fails():
+    fails(EX_1_2, nb01.check_accumulate, with_library_weights, globals(),
+          says="your code calls `loss_weights`")
 
 
 # 1.3 ---------------------------------------------------------------------------------

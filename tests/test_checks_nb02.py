@@ -217,6 +217,10 @@ def test_2_5_solution_passes():
         p, m, v, ahead=lambda p, m, v, r: (v - 1) * p + 1), "interleaved 1F1B's"),
     (lambda p, m, v: interleaved_by_hand(p, m, v, in_rounds=False), "not a schedule"),
     (lambda p, m, v: one_f_one_b_by_hand(p, m), "virtual_stages=1"),
+    # one hop per later rank, not two: as fast as interleaved 1F1B while messages are free,
+    # slower once they take time (the check's simulations give them a time)
+    (lambda p, m, v: interleaved_by_hand(
+        p, m, v, ahead=lambda p, m, v, r: (v - 1) * p + (p - 1 - r) + 1), "your step takes"),
 ])
 def test_2_5_wrong_answers_fail(answer, says):
     fails(EX_2_5, nb02.check_interleaved, answer, says=says)

@@ -45,6 +45,7 @@ def test_2b_1_solution_passes():
     (lambda p, f, i, w: (p - 1) * f, "your formula gives"),
     (lambda p, f, i, w: (p - 1) * max(f + i - w, f), "your formula gives"),
     (lambda p, f, i, w: (p - 1) * max(f + i - w, 0), "your formula gives"),
+    (lambda p, f, i, w: (p - 1) * max(f + i - w, f, i, w), "your formula gives"),  # W waits
 ])
 def test_2b_1_wrong_answers_fail(answer, says):
     fails(EX_1, nb02b.check_zb_h1_bubble, answer, says=says)

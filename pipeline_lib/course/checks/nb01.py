@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from pipeline_lib.course.exercises import ExerciseFailed, withheld
-from pipeline_lib.microbatch import gather, split
+from pipeline_lib.microbatch import gather, loss_weights, split
 from pipeline_lib.schedules import gpipe
 from pipeline_lib.timeline import bubble_theory, simulate
 
@@ -59,7 +59,7 @@ def check_split_and_gather(split_rows: Callable, gather_rows: Callable,
     with torch.no_grad():
         whole = tiny(batch)
         with withheld(split, gather, namespace=namespace):
-            pieces = gather_rows([tiny(chunk) for chunk in split_rows(batch, 4)])
+            pieces = gather_rows([tiny(part) for part in split_rows(batch, 4)])
     _require(pieces.shape == whole.shape and torch.allclose(pieces, whole, atol=1e-6),
              "running a model on each micro-batch and gathering the outputs must give the "
              "unsplit batch's output; it does not")
@@ -82,9 +82,10 @@ class _Watched(nn.Module):
         return out
 
 
-def check_accumulate(accumulate_gradients: Callable) -> None:
+def check_accumulate(accumulate_gradients: Callable, namespace: Namespace = None) -> None:
     """Exercise 1.2: the loss and gradients of the unsplit batch, reached by one forward
-    and one backward per micro-batch, each backward before the next forward."""
+    and one backward per micro-batch, each backward before the next forward. `split` stays
+    available (the exercise uses it); `loss_weights`, the weights asked for, is withheld."""
     for rows, m in [(10, 2), (10, 4), (7, 3), (10, 10)]:
         torch.manual_seed(0)
         tiny = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
@@ -95,7 +96,8 @@ def check_accumulate(accumulate_gradients: Callable) -> None:
         sizes = [len(c) for c in split(batch, m)]
         where = f"{rows} rows in {m} micro-batches of {sizes} rows"
         watched = _Watched(tiny)
-        loss = accumulate_gradients(watched, batch, target, m)
+        with withheld(loss_weights, namespace=namespace):
+            loss = accumulate_gradients(watched, batch, target, m)
         forwards = [n for what, n in watched.log if what == "forward"]
         _require(forwards == sizes,
                  f"{where}: your code ran the model on {forwards} rows; run it once per "

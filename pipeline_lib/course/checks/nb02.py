@@ -248,34 +248,40 @@ def check_peak_held(peak_held: Callable, namespace: Namespace = None) -> None:
                 mine = peak_held(list(program), v)
             _require(isinstance(mine, (int, float)) and abs(mine - expected[r]) < 1e-9,
                      f"{schedule.name}, p = {p}, m = {m}: rank {r}'s peak is {expected[r]:g} "
-                     f"stage-equivalents (the simulator's count of held chunk-micro-batches "
-                     f"over v = {v}); peak_held gives {mine!r}")
+                     f"stage-equivalents (the simulator's count of held (virtual stage, "
+                     f"micro-batch) pairs over v = {v}); peak_held gives {mine!r}")
 
 
 INTERLEAVED_CASES = [(2, 4, 2), (4, 8, 2), (3, 6, 3), (4, 12, 2), (2, 2, 2)]
+# what a message between ranks costs in 2.5's simulations, in units of a whole stage's
+# forward: with free messages a warm-up of one hop per later rank is as fast as two (the
+# gradient's trip back is hidden); Megatron's two hops per rank pay off once messages take time
+MESSAGE_TIME = 0.1
 
 
 def check_interleaved(interleaved_by_hand: Callable, namespace: Namespace = None) -> None:
     """Exercise 2.5: a valid interleaved 1F1B, as short as the library's at no more
-    memory on any rank, that trains like the unsplit model."""
+    memory on any rank (simulated with messages that take time), that trains like the
+    unsplit model."""
     for p, m, v in INTERLEAVED_CASES:
         call = f"interleaved_by_hand({p}, {m}, {v})"
         mine = _by_hand(interleaved_by_hand, call, p, m, namespace, v)
         kinds = {a.kind for program in mine.actions for a in program}
         _require(kinds == {"F", "B"}, f"{call}: use forwards and whole backwards (F and B); "
                                       f"your schedule has kinds {sorted(kinds)}")
-        costs = dict(forward=1 / v, backward=2 / v)
+        costs = dict(forward=1 / v, backward=2 / v, comm=MESSAGE_TIME)
         t, target = simulate(mine, **costs), simulate(interleaved_1f1b(p, m, v), **costs)
         most = target.peak_in_flight()
         _require(all(a <= b for a, b in zip(t.peak_in_flight(), most)),
-                 f"{call}: your ranks hold {t.peak_in_flight()} chunk-micro-batches at their "
+                 f"{call}: your ranks hold {t.peak_in_flight()} micro-batches of a virtual stage at their "
                  f"peak, interleaved 1F1B {most}: start the backwards as soon as the first "
                  f"gradient can be back, not after all forwards")
         _require(t.makespan <= target.makespan + 1e-9,
-                 f"{call}: your step takes {t.makespan:g} cost units (a chunk's forward "
-                 f"costs 1/v), interleaved 1F1B's {target.makespan:g}: a rank that runs out "
-                 f"of forwards before its first gradient is back idles; go through the "
-                 f"micro-batches in rounds of p, chunk after chunk")
+                 f"{call}: your step takes {t.makespan:.4g} cost units (a virtual stage's forward "
+                 f"costs 1/v, a message {MESSAGE_TIME}), interleaved 1F1B's "
+                 f"{target.makespan:.4g}: a rank that runs out of forwards before its first "
+                 f"gradient is back idles; go through the micro-batches in rounds of p, "
+                 f"virtual stage after virtual stage")
     schedule = _by_hand(interleaved_by_hand, "interleaved_by_hand(2, 4, 2)", 2, 4,
                         namespace, 2)
     gap = differences_from_unpipelined(on_pipe(schedule), p=4)
