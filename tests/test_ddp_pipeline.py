@@ -8,11 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline_lib.course.workers.ddp_pipeline import (Cluster, ReplicaLoss, Setup, cheapest_grid,
-                                                        communication_seconds, grid_problem,
-                                                        last_step_timeline, read_records,
-                                                        write_ddp_pipeline_setup)
+from pipeline_lib.course.workers.ddp_pipeline import (ReplicaLoss, Setup, last_step_timeline,
+                                                        read_records, write_ddp_pipeline_setup)
 from pipeline_lib.distributed.launch import torchrun
+from pipeline_lib.distributed.mesh import grid_place, grid_rank
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.schedules import build
 from pipeline_lib.lm.loops import lm_loss
@@ -22,7 +21,7 @@ MODEL = dict(vocab_size=50, d_model=16, nhead=2, d_hid=32, nlayers=2, dropout=0.
 SCHEDULE = "gpipe"
 
 
-def make_setup() -> Setup:
+def make_setup(**options) -> Setup:
     torch.manual_seed(0)
     model = transformer_lm(**MODEL)
     g = torch.Generator().manual_seed(1)
@@ -30,13 +29,24 @@ def make_setup() -> Setup:
     batches = [tuple(torch.randint(0, MODEL["vocab_size"], (2, 12, 5), generator=g))
                for _ in range(STEPS)]
     return Setup(pp=PP, dp=DP, model_config=MODEL, state_dict=model.state_dict(),
-                 balance=[2, 2], chunks=CHUNKS, schedule=SCHEDULE, lr=LR, batches=batches)
+                 balance=[2, 2], chunks=CHUNKS, schedule=SCHEDULE, lr=LR, batches=batches,
+                 **options)
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("ddp_pipeline")
     setup = make_setup()
+    write_ddp_pipeline_setup(workdir, setup)
+    torchrun("pipeline_lib.course.workers.ddp_pipeline", [str(workdir)], nproc=PP * DP, timeout=150)
+    return setup, read_records(workdir)
+
+
+@pytest.fixture(scope="module")
+def stage_major_clipped_job(tmp_path_factory):
+    """The other rank order, and a clip that bites (0.05, far below the norm)."""
+    workdir = tmp_path_factory.mktemp("ddp_pipeline_stage_major")
+    setup = make_setup(order="stage-major", clip=0.05)
     write_ddp_pipeline_setup(workdir, setup)
     torchrun("pipeline_lib.course.workers.ddp_pipeline", [str(workdir)], nproc=PP * DP, timeout=150)
     return setup, read_records(workdir)
@@ -51,6 +61,9 @@ def single_process(setup: Setup) -> tuple[list[float], dict[str, torch.Tensor]]:
         optimizer.zero_grad()
         loss = lm_loss(model(inputs), targets)
         loss.backward()
+        if setup.clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), setup.clip)
+            assert norm > setup.clip       # the clip bites: the test would see a slip
         optimizer.step()
         losses.append(loss.item())
     return losses, dict(model.named_parameters())
@@ -62,6 +75,29 @@ def test_records_place_each_rank_in_the_mesh(job):
         assert (r.replica, r.pipe_rank) == divmod(r.rank, PP)
         assert r.pipeline == [r.replica * PP + p for p in range(PP)]
         assert r.dp_group == [d * PP + r.pipe_rank for d in range(DP)]
+
+
+def test_stage_major_order_puts_each_ddp_group_on_neighbouring_ranks(stage_major_clipped_job):
+    _, records = stage_major_clipped_job
+    for r in records:
+        assert (r.pipe_rank, r.replica) == divmod(r.rank, DP)
+        assert r.pipeline == [p * DP + r.replica for p in range(PP)]
+        assert r.dp_group == [p for p in range(r.pipe_rank * DP, (r.pipe_rank + 1) * DP)]
+
+
+def test_clipped_stage_major_training_equals_one_process_clipped(stage_major_clipped_job):
+    """`pipeline_lib.grad_clip` sums the norm over the pipeline's ranks: the clipped run
+    equals one process clipping the whole model, in either rank order."""
+    setup, records = stage_major_clipped_job
+    losses, params = single_process(setup)
+    norms = records[0].grad_norms
+    assert len(norms) == STEPS and all(r.grad_norms == norms for r in records)  # one norm
+    by_place = {(r.replica, r.pipe_rank): r for r in records}
+    for replica in range(DP):
+        assert by_place[(replica, PP - 1)].losses == pytest.approx(losses, rel=1e-5)
+        for pipe_rank in range(PP):
+            for name, p in by_place[(replica, pipe_rank)].parameters.items():
+                torch.testing.assert_close(p, params[name].detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_training_equals_one_process_on_the_global_batch(job):
@@ -133,36 +169,13 @@ def test_missing_records_name_the_command_to_run(tmp_path):
         read_records(tmp_path)
 
 
-
-# -- the placement cost model of exercise 5.1 --------------------------------------------------
-
-TWO_BY_TWO = Cluster(machines=2, gpus=2, fast=100.0, slow=10.0)
-PIPELINES_INSIDE = ([[0, 1], [2, 3]], [[0, 2], [1, 3]])   # each pipeline on one machine
-DDP_INSIDE = ([[0, 2], [1, 3]], [[0, 1], [2, 3]])         # each DDP group on one machine
-
-
-def test_communication_seconds_is_bytes_over_each_groups_link():
-    assert communication_seconds(TWO_BY_TWO, PIPELINES_INSIDE, 1000, 50) == (0.5, 100.0)
-    assert communication_seconds(TWO_BY_TWO, DDP_INSIDE, 1000, 50) == (5.0, 10.0)
-
-
-def test_the_group_that_moves_more_bytes_gets_the_fast_links():
-    def one_machine(group):
-        return len({r // TWO_BY_TWO.gpus for r in group}) == 1
-
-    pipelines, dp_groups = cheapest_grid(TWO_BY_TWO, 2, 2, all_reduce_bytes=1000,
-                                         pipeline_bytes=50)
-    assert all(map(one_machine, dp_groups)) and not any(map(one_machine, pipelines))
-    pipelines, dp_groups = cheapest_grid(TWO_BY_TWO, 2, 2, all_reduce_bytes=50,
-                                         pipeline_bytes=1000)
-    assert all(map(one_machine, pipelines)) and not any(map(one_machine, dp_groups))
-    with pytest.raises(ValueError, match="must equal the cluster's 4 GPUs"):
-        cheapest_grid(TWO_BY_TWO, 2, 3, 1, 1)
-
-
-def test_grid_problem_names_what_is_wrong():
-    assert grid_problem(*PIPELINES_INSIDE, pp=2, dp=2) is None
-    assert "every rank 0..3 once" in grid_problem([[0, 1], [1, 2]], [[0, 1], [1, 2]], 2, 2)
-    assert "2 pipelines of 2 ranks" in grid_problem([[0, 1, 2, 3]], [[0], [1]], 2, 2)
-    assert "they are [[0, 2], [1, 3]]" in grid_problem([[0, 1], [2, 3]], [[0, 1], [2, 3]], 2, 2)
-    assert "lists of lists" in grid_problem(None, None, 2, 2)
+def test_grid_rank_numbers_the_grid_in_either_order():
+    assert [grid_rank("replica-major", 4, 2, d, p) for d in range(2) for p in range(4)] == \
+        list(range(8))
+    assert [[grid_rank("stage-major", 4, 2, d, p) for p in range(4)] for d in range(2)] == \
+        [[0, 2, 4, 6], [1, 3, 5, 7]]
+    for order in ("replica-major", "stage-major"):
+        assert [grid_rank(order, 4, 2, *grid_place(order, 4, 2, r)) for r in range(8)] == \
+            list(range(8))
+    with pytest.raises(ValueError, match="unknown rank order 'pipe'"):
+        grid_rank("pipe", 2, 2, 0, 0)

@@ -7,91 +7,20 @@ the twelve rows: a third) and the error is asserted on the other eight.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 
 from pipeline_lib.plan import CLUSTERS, Layout, Model, predict, search
 from pipeline_lib.plan.calibrate import calibrate
 from pipeline_lib.plan.costs import ring_seconds
-from pipeline_lib.plan.memory import layer_activation_bytes, state_bytes
+from pipeline_lib.plan.published import BY_NAME, CALIBRATION, RUNS
+from pipeline_lib.plan.memory import activation_terms, layer_activation_bytes, state_bytes
 from pipeline_lib.plan.predict import chunk_parameters
 from pipeline_lib.plan.search import differences
 from pipeline_lib.timeline import Timeline
 
 A100, H100 = CLUSTERS["A100-80GB"], CLUSTERS["H100-80GB"]
-NARAYANAN = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU "
-             "Clusters Using Megatron-LM', Table 1; micro-batch and v from "
-             "NVIDIA/Megatron-LM examples/academic_paper_scripts/sc21/run_table_1.sh")
-DUBEY = "Dubey et al. 2024, 'The Llama 3 Herd of Models', Table 4 and Sec. 3.3.1"
-
-
-@dataclass(frozen=True)
-class Run:
-    name: str
-    citation: str
-    model: Model
-    cluster_name: str
-    layout: Layout
-    tflops_per_gpu: float       # as published
-    flops_per_step: float       # the paper's own formula
-
-    @property
-    def step_time(self) -> float:
-        return self.flops_per_step / (self.tflops_per_gpu * 1e12 * self.layout.gpus)
-
-
-def narayanan(name: str, heads: int, hidden: int, layers: int, t: int, p: int, gpus: int,
-              batch: int, micro_batch: int, v: int, tflops: float) -> Run:
-    """A Table 1 row: GPT, s = 2048, V = 51,200, full recompute, interleaved where v > 1
-    (the 1T row's script sets no v; the text says interleaved: v = 2, its 2 layers per
-    stage). FLOPs per step: Eq. 3, 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))."""
-    s, V = 2048, 51200
-    model = Model(layers=layers, hidden=hidden, heads=heads, seq_len=s, vocab=V)
-    layout = Layout(tp=t, pp=p, dp=gpus // (t * p), micro_batch=micro_batch,
-                    global_batch=batch, virtual_stages=v,
-                    schedule="interleaved_1f1b" if v > 1 else "1f1b", recompute="full")
-    flops = 96 * batch * s * layers * hidden ** 2 * (1 + s / (6 * hidden)
-                                                    + V / (16 * layers * hidden))
-    return Run(name, NARAYANAN, model, "A100-80GB", layout, tflops, flops)
-
-
-LLAMA_405B = Model(layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248,
-                   gated_mlp=True, seq_len=8192, vocab=128000)
-
-
-def llama(gpus: int, dp: int, tflops: float) -> Run:
-    """Llama 3 405B at 8K: TP 8, PP 16, interleaved (v not published: 4, two layers per
-    chunk), BF16, flash attention, no recompute, optimizer states sharded over DP,
-    sequence parallel; 2,048 sequences (16M tokens) per step in micro-batches of 1.
-    FLOPs per step: the 6·N·tokens of the paper's compute budget (3.8e25 FLOPs for 405B
-    parameters on 15.6T tokens, Sec. 3.2.1)."""
-    layout = Layout(tp=8, pp=16, dp=dp, micro_batch=1, global_batch=2048, virtual_stages=4,
-                    schedule="interleaved_1f1b", recompute="none", sequence_parallel=True,
-                    distributed_optimizer=True, flash_attention=True)
-    return Run(f"Llama 3 405B, {gpus} GPUs", DUBEY, LLAMA_405B, "H100-80GB", layout, tflops,
-               6 * 405e9 * 2048 * 8192)
-
-
-RUNS = [
-    narayanan("1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, 1, 137),
-    narayanan("3.6B", 32, 3072, 30, 2, 1, 64, 512, 16, 1, 138),
-    narayanan("7.5B", 32, 4096, 36, 4, 1, 128, 512, 16, 1, 142),
-    narayanan("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 8, 1, 135),
-    narayanan("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 4, 1, 138),
-    narayanan("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 2, 3, 140),
-    narayanan("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 2, 2, 148),
-    narayanan("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 1, 2, 155),
-    narayanan("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 1, 3, 163),
-    narayanan("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 1, 2, 163),
-    llama(8192, 64, 430),
-    llama(16384, 128, 400),
-]
-BY_NAME = {run.name: run for run in RUNS}
-# A100: both factors on three rows spanning h = 2304 to 12288; H100: its matmul factor
-# on the 8,192-GPU run (one run fixes one factor).
-CALIBRATION = {"A100-80GB": ["1.7B", "18.4B", "145.6B"],
-               "H100-80GB": ["Llama 3 405B, 8192 GPUs"]}
 HELD_OUT = [run for run in RUNS if run.name not in sum(CALIBRATION.values(), [])]
 
 
@@ -218,6 +147,55 @@ def test_activations_per_layer_are_korthikanti_table_2(tp, sp, recompute, per_sb
     assert layer_activation_bytes(GPT_175B, A100, layout) == pytest.approx(expected)
 
 
+def test_without_dropout_the_masks_and_the_dropped_out_scores_go():
+    """Korthikanti et al. 2022, Sec. 4.1: of the 34·s·b·h, 2 are the two residual dropout
+    masks (1 byte each); of the 5·a·s²·b, the softmax dropout's mask (a·s²·b) and its
+    output (2·a·s²·b). Without dropout: 32·s·b·h + 2·a·s²·b."""
+    layout = Layout(micro_batch=2, global_batch=2)
+    a, s, h, b = GPT_175B.heads, GPT_175B.seq_len, GPT_175B.hidden, 2
+    plain = replace(GPT_175B, dropout=False)
+    assert layer_activation_bytes(plain, A100, layout) == pytest.approx(
+        s * b * h * (32 + 2 * a * s / h))
+    assert "dropout masks" not in {k for k, v in activation_terms(plain, A100, layout).items()
+                                   if v}
+
+
+def test_grouped_query_attention_keeps_smaller_keys_and_values():
+    """Query, key and value are the inputs of Q·Kᵀ and of the value multiply: h values
+    per token for Q, kv_heads · h/heads each for K and V, split over t."""
+    layout = Layout(tp=8, micro_batch=1, global_batch=1)
+    gqa = replace(GPT_175B, kv_heads=8)
+    tokens, h = GPT_175B.seq_len, GPT_175B.hidden
+    kv_width = 8 * h // GPT_175B.heads
+    assert activation_terms(gqa, A100, layout)["query, key, value"] == pytest.approx(
+        2 * tokens * (h + 2 * kv_width) / 8)
+    assert activation_terms(GPT_175B, A100, layout)["query, key, value"] == pytest.approx(
+        2 * tokens * 3 * h / 8)
+
+
+def test_gated_mlp_keeps_both_halves_and_their_product():
+    """A GeLU MLP keeps the GeLU's input and output (Korthikanti: 8 + 8 s·b·h at
+    ffn = 4h); SwiGLU keeps its two projections' outputs and their product: 3·ffn."""
+    layout = Layout(micro_batch=1, global_batch=1)
+    tokens, f = GPT_175B.seq_len, 53248
+    gelu = replace(GPT_175B, ffn_hidden=f)
+    swiglu = replace(gelu, gated_mlp=True)
+    assert activation_terms(gelu, A100, layout)["MLP inner"] == 2 * tokens * 2 * f
+    assert activation_terms(swiglu, A100, layout)["MLP inner"] == 2 * tokens * 3 * f
+
+
+def test_flash_attention_keeps_no_score_matrices():
+    """Dao et al. 2022: the fused kernel keeps only one float32 log-sum-exp per head
+    and token besides its inputs and output, so nothing grows with s²."""
+    layout = Layout(tp=8, micro_batch=1, global_batch=1, flash_attention=True)
+    terms = activation_terms(GPT_175B, A100, layout)
+    assert "attention scores" not in terms
+    assert terms["softmax statistics"] == 4 * GPT_175B.seq_len * GPT_175B.heads / 8
+    longer = replace(GPT_175B, seq_len=2 * GPT_175B.seq_len)
+    assert layer_activation_bytes(longer, A100, layout) == pytest.approx(
+        2 * layer_activation_bytes(GPT_175B, A100, layout))
+
+
 def test_mixed_precision_adam_holds_16_bytes_per_parameter():
     weights, gradients, optimizer = state_bytes(1e9, A100, Layout())
     assert (weights, gradients, optimizer) == (2e9, 2e9, 12e9)
@@ -226,6 +204,32 @@ def test_mixed_precision_adam_holds_16_bytes_per_parameter():
 def test_distributed_optimizer_shards_only_the_optimizer_states():
     layout = Layout(dp=8, global_batch=8, distributed_optimizer=True)
     assert state_bytes(1e9, A100, layout) == (2e9, 2e9, 12e9 / 8)
+
+
+def test_sharded_gradients_shard_the_gradients_too():
+    layout = Layout(dp=8, global_batch=8, distributed_optimizer=True, shard_gradients=True)
+    assert state_bytes(1e9, A100, layout) == (2e9, 2e9 / 8, 12e9 / 8)
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: r.name)
+def test_published_layouts_fit_their_gpus(run):
+    """Every published run ran, so its busiest GPU must fit the GPU's memory."""
+    cluster = CLUSTERS[run.cluster_name]
+    assert predict(run.model, cluster, run.layout).memory <= cluster.hbm_bytes
+
+
+def test_llama_in_flight_count_is_the_interleaved_warm_up():
+    """Llama 3 405B at 8,192 GPUs: m = 32, p = 16, v = 8 chunks of one layer. Rank 1 runs
+    (p − 2)·2 + (v − 1)·p forwards before its first backward (Megatron-LM's interleaved
+    warm-up for rank r: (p − r − 1)·2 + (v − 1)·p), and holds one more at its peak;
+    rank 0 less, its first chunk holding only the embedding."""
+    run = BY_NAME["Llama 3 405B, 8192 GPUs"]
+    plan = predict(run.model, H100, run.layout)
+    per_layer = layer_activation_bytes(run.model, H100, run.layout)
+    p, v = 16, 8
+    assert plan.memory.activations == pytest.approx(((p - 2) * 2 + (v - 1) * p + 1)
+                                                    * per_layer)
+    assert plan.timeline.peak_activations(plan.costs.layers)[0] == 7 * 16
 
 
 def test_busiest_gpu_memory_adds_up_and_counts_what_the_schedule_holds():
@@ -252,6 +256,7 @@ def test_busiest_gpu_memory_adds_up_and_counts_what_the_schedule_holds():
     (dict(schedule="zb_v", virtual_stages=3), "always puts 2 stages"),
     (dict(tp=0), "tp must be a positive integer"),
     (dict(sequence_parallel=True), "needs tp > 1"),
+    (dict(dp=2, global_batch=2, shard_gradients=True), "needs distributed_optimizer"),
 ])
 def test_invalid_layout_is_refused_with_what_to_change(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -303,3 +308,20 @@ def test_search_ranks_by_time_and_gives_every_rejection_a_reason():
     assert "needs" in reasons                               # too big for 80 GB
     assert any("does not divide heads" in r.reason for r in result.rejected)   # tp 64
     assert all(r.reason for r in result.rejected)
+
+
+# -- small micro-batches: weight-sized traffic -------------------------------------------------
+
+def test_weight_gradient_reads_the_gradient_it_accumulates_into():
+    """On a machine whose multiplies are free, a block's weight-gradient pass is its four
+    multiplies' bytes: the activations read, the k × n gradient written and the k × n
+    sum over micro-batches read (Megatron-LM's and autograd's accumulation alike)."""
+    from pipeline_lib.plan.costs import layer_pass
+    free = replace(A100, peak_flops=1e30, kernel_overhead=0.0)
+    model = Model(layers=2, hidden=64, heads=4, seq_len=8, vocab=100, ffn_hidden=256)
+    layer, _ = layer_pass(model, free, Layout(micro_batch=2, global_batch=2))
+    m, h, f, e = 16, 64, 256, 2
+    shapes = [(m, h, 3 * h), (m, h, h), (m, h, f), (m, f, h)]
+    bandwidth = free.hbm_bandwidth * free.bandwidth_efficiency
+    assert layer.weight_grad == pytest.approx(
+        sum(e * (a * k + 2 * k * n + a * n) for a, k, n in shapes) / bandwidth)

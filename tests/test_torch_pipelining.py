@@ -9,7 +9,7 @@ from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib import Pipe
 from pipeline_lib.schedules import (ScheduleError, gpipe, interleaved_1f1b, one_f_one_b,
                                     validate)
-from pipeline_lib.course.workers.torch_pipelining import (main, manual_split,
+from pipeline_lib.course.workers.torch_pipelining import (main, manual_split, materialize,
                                                             pytorch_schedule, read_run,
                                                             split_spec, write_pipelining_setup)
 from pipeline_lib.lm.loops import lm_loss
@@ -66,6 +66,25 @@ def test_pytorch_1f1b_order_matches_ours_except_possibly_the_last_rank():
 
 def test_pytorch_schedule_keeps_v_shaped_placement():
     assert pytorch_schedule("ZBVZeroBubble", 2, 4, 2).placement == (0, 1, 1, 0)
+
+
+def test_a_stage_built_on_meta_and_materialised_computes_as_the_model():
+    model = tiny_model()
+    with torch.device("meta"):
+        shapes_only = transformer_lm(**CONFIG)
+    stages = [materialize(manual_split(shapes_only, [2, 2], s), model.state_dict(),
+                          CONFIG["d_model"], torch.device("cpu")) for s in range(2)]
+    assert not any(p.is_meta for stage in stages for p in stage.parameters())
+    assert torch.equal(stages[0][0].pe, model[0].pe)    # not in the checkpoint: recomputed
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 5))
+    torch.testing.assert_close(stages[1](stages[0](ids)), model(ids))
+
+
+def test_worker_rejects_a_malformed_mesh_before_starting(tmp_path, capsys):
+    (tmp_path / "setup.pt").write_bytes(b"")       # never read: the arguments fail first
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--mesh", "2by2"])
+    assert "write PPxDP, e.g. 2x2" in capsys.readouterr().err
 
 
 def test_worker_rejects_unknown_runs_before_starting(tmp_path):

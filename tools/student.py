@@ -6,7 +6,13 @@ notebook is stored with its outputs. A student version is the same notebook pass
 nbgrader's own preprocessors: ``ClearSolutions`` turns each solution region into
 ``raise NotImplementedError()`` (and refuses a region in a cell not marked as a solution),
 and ``ClearOutput`` empties every output, so the stored answers do not give the exercise
-away.
+away. The check cells get the protection nbgrader's ``generate_assignment`` gives them, by
+the same preprocessors, in its order: ``LockCells`` marks them ``editable: false`` and
+``deletable: false`` (a solution cell stays editable, not deletable), and
+``ComputeChecksums`` stores each graded, solution or locked cell's checksum, as
+``nbgrader.utils.compute_checksum`` computes it, so that ``nbgrader validate`` (and
+autograding) report a check cell a learner edited. So a ``make student`` folder can be
+handed out in place of nbgrader's ``release/``.
 
 The folder is the learner's: once they have typed answers into ``student/01_....ipynb``,
 running ``make student`` again must not wipe them. So a notebook already there is written
@@ -26,16 +32,19 @@ import sys
 from pathlib import Path
 
 import nbformat
-from nbgrader.preprocessors import ClearOutput, ClearSolutions
+from nbgrader.preprocessors import (CheckCellMetadata, ClearOutput, ClearSolutions,
+                                     ComputeChecksums, LockCells)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def student_version(notebook: Path) -> nbformat.NotebookNode:
-    """The notebook as a learner gets it: solutions replaced by stubs, no outputs."""
+    """The notebook as a learner gets it: solutions replaced by stubs, no outputs, the
+    check cells locked and checksummed as nbgrader's ``generate_assignment`` does."""
     nb = nbformat.read(notebook, as_version=nbformat.NO_CONVERT)
     resources: dict = {}
-    for preprocessor in (ClearSolutions(), ClearOutput()):
+    for preprocessor in (LockCells(), ClearSolutions(), ClearOutput(), CheckCellMetadata(),
+                         ComputeChecksums()):
         nb, resources = preprocessor.preprocess(nb, resources)
     return nb
 

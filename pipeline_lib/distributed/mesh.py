@@ -2,15 +2,23 @@
 process groups they talk through. Every rank calls `init_mesh` (inside
 `job.process_group`, which joins the torchrun job) with the same arguments.
 
-``dp`` replicas of a ``pp``-rank pipeline; global rank ``replica * pp + pipe_rank``::
+``dp`` replicas of a ``pp``-rank pipeline. Two rank orders (``order=``):
 
+    "replica-major" (the default): global rank replica * pp + pipe_rank
     pp = 4, dp = 2     pipe rank:  0   1   2   3
                        replica 0:  0   1   2   3      <- one pipeline
                        replica 1:  4   5   6   7      <- another, fed other rows
 
-Pipeline neighbours are adjacent ranks, so with ``torchrun --nproc_per_node pp`` each
-pipeline's point-to-point traffic (every micro-batch, both ways) stays inside one node
-and only data parallelism's gradient all-reduce (once per step) crosses nodes. The
+    "stage-major": global rank pipe_rank * dp + replica
+                       replica 0:  0   2   4   6
+                       replica 1:  1   3   5   7      <- a stage's DDP group: neighbours
+
+torchrun fills a node with consecutive ranks, so the order decides which traffic stays
+inside a node. Replica-major keeps each pipeline's point-to-point messages (every
+micro-batch, both ways) inside a node and sends the gradient all-reduce between nodes;
+stage-major keeps each DDP group inside a node (DeepSpeed's `PipeDataParallelTopology`
+and Megatron-LM's default), which is what a job needs when its all-reduce moves more
+bytes than its pipeline boundaries, as it usually does (notebook 05 counts them). The
 ranks holding the same stages (a column above) form a data-parallel group; each pair of
 pipeline neighbours gets one 2-rank group per direction (see `pipeline_lib.distributed`
 for why). The ranks of one pipeline (a row) form a pipeline group, for the few collectives
@@ -19,6 +27,7 @@ a pipeline needs as a whole (the global gradient norm, `pipeline_lib.grad_clip`)
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -41,6 +50,29 @@ def check_same_everywhere(what: str, config: dict[str, Any]) -> None:
                          + ": every rank must run the same program with the same arguments")
 
 
+RANK_ORDERS = ("replica-major", "stage-major")
+
+
+def grid_rank(order: str, pp: int, dp: int, replica: int, pipe_rank: int) -> int:
+    """The global rank of ``(replica, pipe_rank)`` in a ``dp × pp`` grid numbered in
+    ``order`` (see the module docstring)."""
+    if order == "replica-major":
+        return replica * pp + pipe_rank
+    if order == "stage-major":
+        return pipe_rank * dp + replica
+    raise ValueError(f"unknown rank order {order!r}: choose one of {RANK_ORDERS}")
+
+
+def grid_place(order: str, pp: int, dp: int, rank: int) -> tuple[int, int]:
+    """``(replica, pipe_rank)`` of global ``rank``: the inverse of `grid_rank`."""
+    if order == "replica-major":
+        return divmod(rank, pp)
+    if order == "stage-major":
+        pipe_rank, replica = divmod(rank, dp)
+        return replica, pipe_rank
+    raise ValueError(f"unknown rank order {order!r}: choose one of {RANK_ORDERS}")
+
+
 @dataclass(frozen=True)
 class Mesh:
     """This process's place in the ``dp × pp`` grid and the groups it talks through."""
@@ -56,10 +88,11 @@ class Mesh:
     pipe_group: dist.ProcessGroup | None         # this replica's pipeline; None if pp = 1
     links: dict[tuple[int, int], dist.ProcessGroup]  # (src, dst) pipe ranks -> 2-rank group
     clock_zero: float
+    order: str = "replica-major"                 # how global ranks fill the grid
 
     def global_rank(self, pipe_rank: int) -> int:
         """The global rank of ``pipe_rank`` in this process's replica."""
-        return self.replica * self.pp + pipe_rank
+        return grid_rank(self.order, self.pp, self.dp, self.replica, pipe_rank)
 
     def link(self, src: int, dst: int) -> dist.ProcessGroup:
         """The group carrying messages from pipe rank ``src`` to ``dst`` (one of them is
@@ -82,47 +115,57 @@ def _neighbour_pairs(pp: int) -> list[tuple[int, int]]:
     return [pair for a, b in edges for pair in ((a, b), (b, a))]
 
 
-def init_mesh(pp: int, dp: int = 1, timeout: float = 300.0) -> Mesh:
-    """Lay the launched processes out as ``dp`` replicas of a ``pp``-rank pipeline and
-    create the process groups. Every rank must call it, with the same arguments."""
+def init_mesh(pp: int, dp: int = 1, timeout: float = 300.0,
+              order: str = "replica-major") -> Mesh:
+    """Lay the launched processes out as ``dp`` replicas of a ``pp``-rank pipeline, their
+    global ranks numbered in ``order`` ("replica-major" or "stage-major", see the module
+    docstring), and create the process groups. Every rank must call it, with the same
+    arguments."""
     if not dist.is_initialized():
         raise RuntimeError("init_mesh needs a process group: call it inside "
                            "`with pipeline_lib.distributed.process_group():`")
-    check_same_everywhere("init_mesh arguments", dict(pp=pp, dp=dp, timeout=timeout))
+    if order not in RANK_ORDERS:
+        raise ValueError(f"unknown rank order {order!r}: choose one of {RANK_ORDERS}")
+    check_same_everywhere("init_mesh arguments", dict(pp=pp, dp=dp, timeout=timeout,
+                                                      order=order))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if pp < 1 or dp < 1 or pp * dp != world_size:
         raise ValueError(f"pp × dp = {pp} × {dp} must equal the number of processes, "
                          f"{world_size}: launch torchrun with --nproc_per_node (times "
                          f"--nnodes) = {pp * dp}, or change --pp/--dp")
-    replica, pipe_rank = divmod(rank, pp)
+    replica, pipe_rank = grid_place(order, pp, dp, rank)
+
+    def at(d: int, p: int) -> int:
+        return grid_rank(order, pp, dp, d, p)
+
     wait = timedelta(seconds=timeout)
     # new_group is collective: every rank creates every group, in the same order
     dp_group = None
     if dp > 1:
         for p in range(pp):
-            group = dist.new_group([d * pp + p for d in range(dp)], timeout=wait)
+            group = dist.new_group([at(d, p) for d in range(dp)], timeout=wait)
             if p == pipe_rank:
                 dp_group = group
     pipe_group = None
     if pp > 1:
         for d in range(dp):
-            group = dist.new_group([d * pp + p for p in range(pp)], timeout=wait)
+            group = dist.new_group([at(d, p) for p in range(pp)], timeout=wait)
             if d == replica:
                 pipe_group = group
     device = rank_device(dist.get_backend())
     links = {}
     for d in range(dp):
         for src, dst in _neighbour_pairs(pp):
-            group = dist.new_group([d * pp + src, d * pp + dst], timeout=wait)
+            group = dist.new_group([at(d, src), at(d, dst)], timeout=wait)
             if d == replica and pipe_rank in (src, dst):
                 links[(src, dst)] = group
-    _connect(links, replica * pp, pipe_rank, device)
+    _connect(links, lambda p: at(replica, p), pipe_rank, device)
     dist.barrier()
     return Mesh(pp, dp, rank, replica, pipe_rank, device, timeout, dp_group, pipe_group, links,
-                clock_zero=time.perf_counter())
+                clock_zero=time.perf_counter(), order=order)
 
 
-def _connect(links: dict[tuple[int, int], dist.ProcessGroup], first_rank: int,
+def _connect(links: dict[tuple[int, int], dist.ProcessGroup], global_rank: Callable[[int], int],
              me: int, device: torch.device) -> None:
     """Send one tiny message over every link, in one global order. NCCL creates a
     communicator on a group's first operation and blocks the sender until the receiver
@@ -132,8 +175,8 @@ def _connect(links: dict[tuple[int, int], dist.ProcessGroup], first_rank: int,
     for src, dst in sorted(links):
         probe = torch.zeros(1, device=device)
         if me == src:
-            sends.append(dist.isend(probe, first_rank + dst, group=links[(src, dst)]))
+            sends.append(dist.isend(probe, global_rank(dst), group=links[(src, dst)]))
         else:
-            dist.recv(probe, first_rank + src, group=links[(src, dst)])
+            dist.recv(probe, global_rank(src), group=links[(src, dst)])
     for work in sends:
         work.wait()

@@ -10,7 +10,7 @@ runs them in line), so they add to the action that issues them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipeline_lib.plan.hardware import Cluster
 from pipeline_lib.plan.model import Layout, Model, layers_per_chunk
@@ -44,9 +44,22 @@ def ring_seconds(nbytes: float, ranks: int, bandwidth: float, latency: float,
     return steps / ranks * nbytes / bandwidth + steps * latency
 
 
-def _gemm(cluster: Cluster, m: float, k: float, n: float) -> float:
+def _gemm(cluster: Cluster, m: float, k: float, n: float, accumulate: bool = False) -> float:
+    """An (m × k) · (k × n) multiply with k × n weights. Its weight gradient (``accumulate``)
+    also reads the k × n gradient it adds into, the sum over micro-batches: at a small
+    micro-batch, weight-sized traffic that no activation-sized count shows."""
     e = cluster.value_bytes
-    return cluster.gemm_seconds(2 * m * k * n, e * (m * k + k * n + m * n))
+    return cluster.gemm_seconds(2 * m * k * n, e * (m * k + (1 + accumulate) * k * n + m * n))
+
+
+def _block_gemms(model: Model, cluster: Cluster, tokens: float, t: int,
+                 accumulate: bool = False) -> float:
+    """A block's four projections: query-key-value, output, MLP up (and gate), MLP down."""
+    h, f = model.hidden, model.ffn
+    return (_gemm(cluster, tokens, h, model.qkv_width / t, accumulate)
+            + _gemm(cluster, tokens, h / t, h, accumulate)
+            + _gemm(cluster, tokens, h, (model.mlp_matrices - 1) * f / t, accumulate)
+            + _gemm(cluster, tokens, f / t, h, accumulate))
 
 
 def layer_pass(model: Model, cluster: Cluster, layout: Layout) -> tuple[Pass, float]:
@@ -61,10 +74,8 @@ def layer_pass(model: Model, cluster: Cluster, layout: Layout) -> tuple[Pass, fl
     # replicated elementwise work runs on all tokens unless the sequence is split too
     shared = tokens / t if layout.sequence_parallel else tokens
 
-    gemms = (_gemm(cluster, tokens, h, model.qkv_width / t)
-             + _gemm(cluster, tokens, h / t, h)
-             + _gemm(cluster, tokens, h, (model.mlp_matrices - 1) * f / t)
-             + _gemm(cluster, tokens, f / t, h))
+    gemms = _block_gemms(model, cluster, tokens, t)
+    weight_gemms = _block_gemms(model, cluster, tokens, t, accumulate=True)
     scores = b * heads * s * s                     # elements of the s × s score matrices
     if layout.flash_attention:
         # causal: the fused kernel skips the masked half; backward recomputes the scores
@@ -73,20 +84,27 @@ def layer_pass(model: Model, cluster: Cluster, layout: Layout) -> tuple[Pass, fl
                     cluster.gemm_seconds(2.5 * flops, e * 8 * b * heads * s * head))
     else:
         qk = cluster.gemm_seconds(2 * scores * head, e * (2 * b * heads * s * head + scores))
-        softmax_dropout = cluster.memory_seconds((2 * e + 2 * e + 1) * scores, kernels=2)
-        core = Pass(2 * qk + softmax_dropout,
-                    4 * qk + cluster.memory_seconds((3 * e + 2 * e + 1) * scores, kernels=2))
+        # softmax: read e, write e per score; dropout: read e, write e and a 1-byte mask
+        drop = model.dropout
+        softmax = cluster.memory_seconds((2 * e + (2 * e + 1) * drop) * scores,
+                                         kernels=1 + drop)
+        core = Pass(2 * qk + softmax,
+                    4 * qk + cluster.memory_seconds((3 * e + (2 * e + 1) * drop) * scores,
+                                                    kernels=1 + drop))
     act_in = model.mlp_matrices * e * tokens * f / t         # GeLU: read f, write f
+    # each residual add reads two values and writes one; with dropout, also a mask,
+    # and its backward applies the mask (without, the add's gradient passes through)
+    drop = model.dropout
     elementwise = Pass(cluster.memory_seconds(2 * 2 * e * shared * h            # 2 norms
-                                              + 2 * (3 * e + 1) * shared * h    # dropout-add
+                                              + 2 * (3 * e + drop) * shared * h  # (dropout-)add
                                               + act_in, kernels=5),
                        cluster.memory_seconds(2 * 3 * e * shared * h
-                                              + 2 * (2 * e + 1) * shared * h
+                                              + 2 * (2 * e + 1) * drop * shared * h
                                               + act_in * (model.mlp_matrices + 1)
-                                              / model.mlp_matrices, kernels=5))
+                                              / model.mlp_matrices, kernels=3 + 2 * drop))
     link = cluster.link_bandwidth(inter_node=t > cluster.gpus_per_node)
     collective = 2 * ring_seconds(e * tokens * h, t, link, cluster.latency)
-    layer = Pass(gemms, gemms, gemms) + core + elementwise + Pass(collective, collective)
+    layer = Pass(gemms, gemms, weight_gemms) + core + elementwise + Pass(collective, collective)
     recompute = {"none": 0.0, "full": layer.forward,
                  "selective": 0.0 if layout.flash_attention else core.forward}
     return layer, recompute[layout.recompute]
@@ -94,12 +112,15 @@ def layer_pass(model: Model, cluster: Cluster, layout: Layout) -> tuple[Pass, fl
 
 def embedding_pass(model: Model, cluster: Cluster, layout: Layout) -> Pass:
     """The first chunk's extra work: look up the vocabulary-parallel embedding, all-reduce
-    it over the tensor-parallel group, add its gradient back into the table."""
+    it over the tensor-parallel group, add its gradient back into the table. That gradient
+    is dense (V/t × h): zeroed and written, then added into the accumulated one (read
+    two, write one), whatever few rows the micro-batch touched."""
     e, tokens, h = cluster.value_bytes, layout.micro_batch * model.seq_len, model.hidden
     link = cluster.link_bandwidth(inter_node=layout.tp > cluster.gpus_per_node)
     reduce = ring_seconds(e * tokens * h, layout.tp, link, cluster.latency)
+    table = model.vocab * h / layout.tp
     return Pass(cluster.memory_seconds((4 * e + 1) * tokens * h, kernels=2) + reduce, 0.0,
-                cluster.memory_seconds(3 * e * tokens * h, kernels=2))
+                cluster.memory_seconds(3 * e * tokens * h + 4 * e * table, kernels=3))
 
 
 def loss_pass(model: Model, cluster: Cluster, layout: Layout) -> Pass:
@@ -116,7 +137,7 @@ def loss_pass(model: Model, cluster: Cluster, layout: Layout) -> Pass:
     return Pass(projection + norm + cluster.memory_seconds((12 + e) * logits, kernels=2),
                 projection + reduce + norm + cluster.memory_seconds((4 + e) * logits,
                                                                     kernels=2),
-                projection)
+                _gemm(cluster, tokens, h, model.vocab / t, accumulate=True))
 
 
 @dataclass(frozen=True)
@@ -130,10 +151,34 @@ class ChunkCosts:
     weight: list[float]
 
 
+def dispatch_pass(ops: tuple[int, int], cluster: Cluster) -> Pass:
+    """The fixed cost of ``ops`` = (forward, backward) dispatched operations; the backward's
+    counts as the input gradient's (the eager executors run B whole)."""
+    forward, backward = ops
+    return Pass(forward * cluster.kernel_overhead, backward * cluster.kernel_overhead)
+
+
+def passes(model: Model, cluster: Cluster, layout: Layout) -> tuple[Pass, float, Pass, Pass]:
+    """A block's `Pass` and recompute seconds, the embedding's and the head's `Pass`. With
+    counted ``model.dispatches`` the roofline prices each kernel's bytes and FLOPs only and
+    every counted operation adds ``kernel_overhead``; otherwise each structural kernel
+    of the roofline carries it."""
+    counted = model.dispatches
+    roofline = replace(cluster, kernel_overhead=0.0) if counted else cluster
+    layer, recompute = layer_pass(model, roofline, layout)
+    first, last = embedding_pass(model, roofline, layout), loss_pass(model, roofline, layout)
+    if counted:
+        block = dispatch_pass(counted.block, cluster)
+        recompute += block.forward if layout.recompute == "full" else 0.0
+        layer += block
+        first += dispatch_pass(counted.embedding, cluster)
+        last += dispatch_pass(counted.head, cluster)
+    return layer, recompute, first, last
+
+
 def chunk_costs(model: Model, cluster: Cluster, layout: Layout) -> ChunkCosts:
-    layer, recompute = layer_pass(model, cluster, layout)
+    layer, recompute, first, last = passes(model, cluster, layout)
     layers = layers_per_chunk(model.layers, layout.chunks)
-    first, last = embedding_pass(model, cluster, layout), loss_pass(model, cluster, layout)
     forward, backward, weight = [], [], []
     for c, n in enumerate(layers):
         work = layer * n

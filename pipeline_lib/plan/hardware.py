@@ -71,32 +71,36 @@ class Cluster:
         return nominal * self.bandwidth_efficiency
 
 
-GB = 1e9
+GB, GiB, MiB = 1e9, 2 ** 30, 2 ** 20
+# "80 GB" of HBM is 80 GiB (five 16 GiB stacks); what a program can allocate is what
+# nvidia-smi reports as memory.total: 81,920 MiB on an A100 80GB, 81,559 MiB on an
+# H100 80GB HBM3 (85.9 and 85.5 GB).
+A100_HBM, H100_HBM = 81920 * MiB, 81559 * MiB
 
 # Efficiency factors: the achieved fraction of peak FLOP/s on matrix multiplies and of
 # nominal bandwidth on HBM and links, over a whole training step (launch gaps, loss
 # scaling, gradient-norm kernels and other unmodelled work included, which is why they
 # sit below the 80-90% that a lone large GEMM or a lone nccl-tests run reaches).
 # A100: both fitted by `pipeline_lib.plan.calibrate` on three rows of Narayanan et al.
-# 2021, Table 1 (1.7B, 18.4B and 145.6B; tests/test_plan.py names them and checks that
+# 2021, Table 1 (1.7B, 18.4B and 145.6B; plan.published names them; tests/test_plan.py checks that
 # these are the fit's result). H100: the matmul factor fitted the same way on Llama 3
 # 405B at 8,192 GPUs (Dubey et al. 2024, Table 4); one run fixes only one factor, so its
 # bandwidth factor is nccl-tests' ~80% of nominal NVLink bus bandwidth (doc/PERFORMANCE.md).
 A100_MATMUL, A100_BANDWIDTH = 0.71, 0.64
-H100_MATMUL, H100_BANDWIDTH = 0.62, 0.80
+H100_MATMUL, H100_BANDWIDTH = 0.59, 0.80
 
 CLUSTERS: dict[str, Cluster] = {
     # NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOP/s BF16/FP16 dense, 80 GB HBM2e at
     # 2,039 GB/s, NVLink 3 600 GB/s (300 per direction); DGX A100 / Selene: 8 GPUs per
     # node, 8 x 200 Gb/s HDR InfiniBand (25 GB/s per GPU).
-    "A100-80GB": Cluster("A100-80GB", 312e12, 80 * GB, 2039 * GB, 8, 300 * GB, 25 * GB,
+    "A100-80GB": Cluster("A100-80GB", 312e12, A100_HBM, 2039 * GB, 8, 300 * GB, 25 * GB,
                          A100_MATMUL, A100_BANDWIDTH),
     # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s BF16 dense, 80 GB HBM3 at 3.35 TB/s,
     # NVLink 4 900 GB/s (450 per direction); DGX H100: 8 x 400 Gb/s NDR (50 GB/s per GPU).
-    "H100-80GB": Cluster("H100-80GB", 989e12, 80 * GB, 3350 * GB, 8, 450 * GB, 50 * GB,
+    "H100-80GB": Cluster("H100-80GB", 989e12, H100_HBM, 3350 * GB, 8, 450 * GB, 50 * GB,
                          H100_MATMUL, H100_BANDWIDTH),
     # H800 SXM: the H100 die (same peak and HBM3) with NVLink cut to 400 GB/s (200 per
     # direction) for export; DeepSeek-V3 report Sec. 3.1: 8 x 400 Gb/s InfiniBand per node.
-    "H800": Cluster("H800", 989e12, 80 * GB, 3350 * GB, 8, 200 * GB, 50 * GB,
+    "H800": Cluster("H800", 989e12, H100_HBM, 3350 * GB, 8, 200 * GB, 50 * GB,
                     H100_MATMUL, H100_BANDWIDTH),
 }

@@ -10,11 +10,37 @@ RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
+class Dispatches:
+    """Operations an eager framework dispatches for one micro-batch, as (forward,
+    backward) counts: of one block, of the embedding, and of the head (final norm,
+    vocabulary projection and loss). Counted on the real modules, once
+    (`pipeline_lib.plan.local.count_dispatches`): on a CPU each costs
+    `Cluster.kernel_overhead` however small it is, which is most of a small model's step.
+    Without them a `Model` is priced as the fused kernels a GPU framework queues ahead."""
+
+    block: tuple[int, int]
+    embedding: tuple[int, int]
+    head: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        for name in ("block", "embedding", "head"):
+            value = getattr(self, name)
+            if len(value) != 2 or any(not isinstance(n, int) or n < 0 for n in value):
+                raise ValueError(f"Dispatches: {name} must be (forward, backward) counts of "
+                                 f"operations, two integers >= 0; got {value!r}")
+
+
+@dataclass(frozen=True)
 class Model:
     """A GPT-style decoder: ``layers`` blocks of attention + MLP, a vocabulary projection.
 
     ``kv_heads`` < ``heads`` is grouped-query attention; ``gated_mlp`` a SwiGLU MLP (three
-    matrices of ``hidden × ffn_hidden``; Llama) instead of two (GPT)."""
+    matrices of ``hidden × ffn_hidden``; Llama) instead of two (GPT). ``dropout``: whether
+    the blocks drop out (GPT-2/3 and Megatron-LM's GPTs do, after the attention softmax
+    and before each residual add; Llama does not), which decides whether the backward
+    keeps dropout masks (Korthikanti et al. 2022, Sec. 4.1). ``dispatches``: the
+    operations its implementation dispatches per pass (`Dispatches`), for a CPU's
+    per-operation cost; None prices the structural kernels only."""
 
     layers: int
     hidden: int
@@ -24,6 +50,8 @@ class Model:
     ffn_hidden: int | None = None
     kv_heads: int | None = None
     gated_mlp: bool = False
+    dropout: bool = True
+    dispatches: Dispatches | None = None
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq_len", "vocab", "ffn_hidden", "kv_heads"):
@@ -91,6 +119,12 @@ class Layout:
     "full" (each layer's forward again before its backward). ``flash_attention``: the
     attention core fused into one kernel that never writes the s × s scores (Dao et al.
     2022; Megatron-LM's 2021 runs predate it, Llama 3 uses it).
+    ``distributed_optimizer`` shards the optimizer states over the ``dp`` replicas
+    (ZeRO stage 1, Megatron-LM's distributed optimizer); ``shard_gradients`` the
+    gradients as well (ZeRO stage 2; Llama 3's FSDP, Dubey et al. 2024, Sec. 3.3.1): each
+    replica keeps only the reduce-scattered slice it updates, so it needs the first. Its
+    time is priced as the distributed optimizer's, one reduce-scatter per step; a run that
+    reduce-scatters after every micro-batch instead pays m of them, which is not priced.
     """
 
     tp: int = 1
@@ -104,6 +138,7 @@ class Layout:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     flash_attention: bool = False
+    shard_gradients: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "virtual_stages"):
@@ -127,6 +162,10 @@ class Layout:
             raise ValueError(f"Layout: global_batch {self.global_batch} is not a multiple of "
                              f"dp × micro_batch = {self.dp} × {self.micro_batch}; each replica "
                              f"runs global_batch / (dp · micro_batch) whole micro-batches")
+        if self.shard_gradients and not self.distributed_optimizer:
+            raise ValueError("Layout: shard_gradients keeps only the slice of the gradients "
+                             "that this replica's optimizer updates, so it needs "
+                             "distributed_optimizer=True (the optimizer states sharded too)")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("Layout: sequence_parallel splits the sequence over the "
                              "tensor-parallel group, so it needs tp > 1")
@@ -161,9 +200,11 @@ def check_fits(model: Model, layout: Layout) -> None:
                          f"(each GPU holds whole key-value heads, or shares one)")
     if model.ffn % t:
         raise ValueError(f"tp {t} does not divide ffn_hidden {model.ffn}")
-    if model.layers < layout.chunks:
+    # the first and the last chunk may hold only the embedding and the loss (Llama 3)
+    if model.layers < layout.chunks - 2 * (layout.chunks > 2):
         raise ValueError(f"{model.layers} layers cannot fill {layout.chunks} model chunks "
-                         f"(pp {layout.pp} × {layout.chunks_per_rank} per rank): lower pp or "
+                         f"(pp {layout.pp} × {layout.chunks_per_rank} per rank, every chunk "
+                         f"but the first and the last at least one layer): lower pp or "
                          f"virtual_stages")
     if layout.sequence_parallel and model.seq_len % t:
         raise ValueError(f"sequence_parallel: tp {t} does not divide seq_len {model.seq_len}")
@@ -172,7 +213,9 @@ def check_fits(model: Model, layout: Layout) -> None:
 def layers_per_chunk(layers: int, chunks: int) -> list[int]:
     """Split ``layers`` over ``chunks`` as evenly as possible; where it does not divide,
     the first and last chunks, which also hold the embedding and the loss, get fewer
-    (as Llama 3's 126 layers on 16 stages: 7 on the first and last, 8 elsewhere)."""
+    (as Llama 3's 126 layers on 16 stages: 7 on the first and last, 8 elsewhere; in 128
+    chunks of one layer, the first holds only the embedding and the last only the loss,
+    Dubey et al. 2024, Sec. 3.3.2)."""
     base, extra = divmod(layers, chunks)
     order = list(range(1, chunks - 1)) + [chunks - 1, 0] if chunks > 1 else [0]
     counts = [base] * chunks

@@ -11,9 +11,8 @@ import itertools
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
-from pipeline_lib.plan.costs import (Pass, embedding_pass, layer_pass, loss_pass,
-                                     message_seconds, ring_seconds)
-from pipeline_lib.plan.hardware import Cluster
+from pipeline_lib.plan.costs import Pass, message_seconds, passes, ring_seconds
+from pipeline_lib.plan.hardware import GiB, Cluster
 from pipeline_lib.plan.memory import layer_activation_bytes, logits_bytes, state_bytes
 from pipeline_lib.plan.model import RECOMPUTE, Layout, Model, check_fits, layers_per_chunk
 from pipeline_lib.plan.predict import (ADAM_BYTES, Plan, as_cluster, data_parallel_bandwidth,
@@ -70,7 +69,10 @@ def layouts(model: Model, gpus: int, global_batch: int, schedules: tuple[str, ..
     """Every combination: tp × pp × dp = gpus, each micro-batch size up to 16 dividing the
     batch of a replica, each schedule (looped ones with every virtual_stages from 2 to 8
     that splits a stage's layers evenly; with one pipeline rank they are 1F1B, so left
-    out), recompute, sequence parallelism (tp > 1), distributed optimizer (dp > 1)."""
+    out), recompute, sequence parallelism (tp > 1), distributed optimizer (dp > 1).
+    Sharded gradients (ZeRO stage 2) are left out: their reduce-scatter after every
+    micro-batch's backward, when micro-batches accumulate, is not priced, so the search
+    would take the memory they save for free."""
     out: list[Layout | Rejected] = []
     for tp in divisors(gpus):
         for pp in divisors(gpus // tp):
@@ -160,9 +162,8 @@ def _layer_costs(model: Model, cluster: Cluster, tp: int, micro_batch: int, reco
     layout = Layout(tp=tp, micro_batch=micro_batch, global_batch=micro_batch,
                     recompute=recompute, sequence_parallel=sequence_parallel,
                     flash_attention=flash_attention)
-    layer, recompute_seconds = layer_pass(model, cluster, layout)
-    ends = embedding_pass(model, cluster, layout) + loss_pass(model, cluster, layout)
-    return layer, recompute_seconds, ends
+    layer, recompute_seconds, first, last = passes(model, cluster, layout)
+    return layer, recompute_seconds, first + last
 
 
 def search(model: Model, cluster: Cluster | str, gpus: int, global_batch: int, *,
@@ -186,8 +187,8 @@ def search(model: Model, cluster: Cluster | str, gpus: int, global_batch: int, *
         seconds, nbytes = estimate(model, cluster, layout)
         if nbytes > cluster.hbm_bytes:
             rejected.append(Rejected(layout, _describe(layout), f"needs about "
-                                     f"{nbytes / 1e9:.0f} GB per GPU, more than the "
-                                     f"{cluster.hbm_bytes / 1e9:.0f} GB of a {cluster.name}"))
+                                     f"{nbytes / GiB:.0f} GiB per GPU, more than the "
+                                     f"{cluster.hbm_bytes / GiB:.0f} GiB of a {cluster.name}"))
         else:
             fitting.append(Candidate(layout, seconds, nbytes))
     fitting.sort(key=lambda c: c.step_time)
@@ -197,8 +198,8 @@ def search(model: Model, cluster: Cluster | str, gpus: int, global_batch: int, *
         plan = predict(model, cluster, candidate.layout)
         if not plan.fits:
             rejected.append(Rejected(candidate.layout, _describe(candidate.layout),
-                                     f"simulated: needs {plan.memory / 1e9:.0f} GB per GPU, "
-                                     f"more than {cluster.hbm_bytes / 1e9:.0f} GB"))
+                                     f"simulated: needs {plan.memory / GiB:.0f} GiB per GPU, "
+                                     f"more than {cluster.hbm_bytes / GiB:.0f} GiB"))
             continue
         simulated.append(Candidate(candidate.layout, plan.step_time, plan.memory, plan))
         if len(simulated) == finalists:

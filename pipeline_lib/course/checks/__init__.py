@@ -1,1 +1,2 @@
-"""Exercise checks, one module per notebook: its check cells and tests/test_checks_nb*.py call them."""
+"""The notebooks' exercise checks, one module per notebook, called by its check cells and by
+tests/test_checks_nb*.py with plausible wrong answers."""

@@ -14,17 +14,16 @@ the notebook checks:
 * per step, the loss of its replica's own rows (last stage only): replicas train on
   different rows, so these differ, while their parameters must not;
 * every gradient all-reduce DDP ran: during which action of the schedule, at what time;
-* its final parameters, under the full model's names, to compare with one process;
+* its final parameters, under the full model's names, to compare with one process
+  (clipped, if ``Setup.clip`` says so, by the whole model's norm: `pipeline_lib.grad_clip`);
 * the events of its last step, to draw every rank's on one time axis.
 
-It also holds the cost model that grades exercise 5.1 (`Cluster`, `grid_problem`,
-`communication_seconds`, `cheapest_grid`): which ranks should form the pipelines and
-which the DDP groups, given how many bytes each moves and how fast each link is.
+(The cost model that grades exercise 5.1 lives with the grader, in
+`pipeline_lib.course.checks.nb05`: it is the exercise's answer.)
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -38,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pipeline_lib.distributed.pipe import DistributedPipe
 from pipeline_lib.distributed.job import process_group
 from pipeline_lib.distributed.mesh import Mesh, init_mesh
+from pipeline_lib.grad_clip import clip_grad_norm_
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.timeline import Event, Timeline
 from pipeline_lib.lm.loops import lm_loss
@@ -59,6 +59,8 @@ class Setup:
     schedule: str
     lr: float                           # plain SGD: one process gets lr x the same gradient
     batches: list[tuple[Tensor, Tensor]]  # global (inputs, targets); replicas split the rows
+    clip: float | None = None           # max gradient norm of the whole model, or no clipping
+    order: str = "replica-major"        # how global ranks fill the grid: `init_mesh`'s order
 
 
 @dataclass
@@ -80,11 +82,13 @@ class RankRecord:
     rank: int
     replica: int
     pipe_rank: int
-    pipeline: list[int]          # global ranks of this rank's pipeline, first stage first
-    dp_group: list[int]          # global ranks holding the same stages
+    pipeline: list[int]          # global ranks of this rank's pipeline group, first stage first
+    dp_group: list[int]          # global ranks of its DDP group (the same stages)
     replica_losses: list[float]  # per step, this replica's rows' loss (last stage; else [])
     losses: list[float]          # per step, the global batch's loss (last stage; else [])
     all_reduces: list[AllReduce]
+    grad_norms: list[float]      # per step, the whole model's gradient norm before clipping
+    #                              (what `clip_grad_norm_` found on this rank); [] unclipped
     parameters: dict[str, Tensor]
     last_step: list[Event]
 
@@ -120,84 +124,6 @@ def last_step_timeline(records: Sequence[RankRecord]) -> tuple[Timeline, list[Al
     syncs = [AllReduce(a.rank, a.step, a.stage, a.bucket, a.action, a.time - t0, a.end - t0)
              for r in records for a in r.all_reduces if a.step == last]
     return Timeline(len(records), events).shifted(), syncs
-
-
-# -- where the ranks go: the cost model of exercise 5.1 ----------------------------------------
-
-Grid = tuple[list[list[int]], list[list[int]]]   # (pipelines, DDP groups) of global ranks
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """``machines`` × ``gpus`` processes, global rank r on machine ``r // gpus``: two GPUs of
-    one machine talk at ``fast`` bytes/s (NVLink), two machines at ``slow`` (the network)."""
-
-    machines: int
-    gpus: int
-    fast: float
-    slow: float
-
-    def bandwidth(self, a: int, b: int) -> float:
-        return self.fast if a // self.gpus == b // self.gpus else self.slow
-
-
-def grid_problem(pipelines: list[list[int]], dp_groups: list[list[int]], pp: int,
-                 dp: int) -> str | None:
-    """What makes ``(pipelines, dp_groups)`` no ``dp × pp`` grid of ranks ``0 .. dp·pp − 1``,
-    or None: ``dp`` pipelines of ``pp`` ranks, every rank once, and DDP group ``s`` holding
-    stage ``s`` of every pipeline (``dp_groups[s][d] == pipelines[d][s]``)."""
-    try:
-        pipelines = [[int(r) for r in p] for p in pipelines]
-        dp_groups = [[int(r) for r in g] for g in dp_groups]
-    except (TypeError, ValueError):
-        return (f"return two lists of lists of ranks (pipelines, dp_groups), got "
-                f"{pipelines!r} and {dp_groups!r}")
-    if [len(p) for p in pipelines] != [pp] * dp:
-        return f"expected {dp} pipelines of {pp} ranks, got {pipelines}"
-    ranks = sorted(r for p in pipelines for r in p)
-    if ranks != list(range(pp * dp)):
-        return f"the pipelines must hold every rank 0..{pp * dp - 1} once, they hold {ranks}"
-    columns = [[p[s] for p in pipelines] for s in range(pp)]
-    if dp_groups != columns:
-        return (f"DDP group s holds stage s of every pipeline: with pipelines {pipelines} "
-                f"they are {columns}, got {dp_groups}")
-    return None
-
-
-def communication_seconds(cluster: Cluster, grid: Grid, all_reduce_bytes: float,
-                          pipeline_bytes: float) -> tuple[float, float]:
-    """Seconds per step spent on (pipeline messages, gradient all-reduce) with ``grid``.
-
-    A pipeline boundary moves ``pipeline_bytes`` (every micro-batch's activation forward
-    and its gradient back) over the link between its two ranks; a DDP group's ring
-    all-reduce sends ``all_reduce_bytes`` from each rank, at the pace of the group's slowest
-    link. Groups of one kind run at once, so the slowest counts; the two kinds add up. A
-    deliberately simple model: no overlap with compute, no two groups sharing a link."""
-    pipelines, dp_groups = grid
-    pipeline = max((pipeline_bytes / cluster.bandwidth(a, b)
-                    for p in pipelines for a, b in zip(p, p[1:])), default=0.0)
-    all_reduce = max((all_reduce_bytes / min(cluster.bandwidth(a, b) for a in g for b in g
-                                             if a != b)
-                      for g in dp_groups if len(g) > 1), default=0.0)
-    return pipeline, all_reduce
-
-
-def cheapest_grid(cluster: Cluster, pp: int, dp: int, all_reduce_bytes: float,
-                  pipeline_bytes: float) -> Grid:
-    """The grid that spends the least time communicating, found by trying every order of
-    the ranks: (dp·pp)! grids, fine for the handful of ranks of an exercise."""
-    if pp * dp != cluster.machines * cluster.gpus or pp * dp > 8:
-        raise ValueError(f"pp × dp = {pp * dp} must equal the cluster's "
-                         f"{cluster.machines * cluster.gpus} GPUs, and at most 8 ranks can be "
-                         f"tried one order at a time")
-
-    def grid(order: tuple[int, ...]) -> Grid:
-        pipelines = [list(order[d * pp:(d + 1) * pp]) for d in range(dp)]
-        return pipelines, [[p[s] for p in pipelines] for s in range(pp)]
-
-    return min((grid(order) for order in itertools.permutations(range(pp * dp))),
-               key=lambda g: sum(communication_seconds(cluster, g, all_reduce_bytes,
-                                                       pipeline_bytes)))
 
 
 # -- the worker --------------------------------------------------------------------------------
@@ -260,10 +186,12 @@ def train_and_record(setup: Setup, mesh: Mesh) -> RankRecord:
     hooked: list[list[float]] = []
     _record_all_reduces(pipe, mesh, hooked)
     loss_fn = ReplicaLoss()
-    replica_losses, losses, all_reduces = [], [], []
+    replica_losses, losses, all_reduces, grad_norms = [], [], [], []
     for step, (inputs, targets) in enumerate(setup.batches):
         optimizer.zero_grad(set_to_none=True)
         loss = pipe.step(inputs, targets, loss_fn)
+        if setup.clip is not None:     # the whole model's norm: summed over the pipeline
+            grad_norms.append(clip_grad_norm_(pipe, setup.clip).item())
         optimizer.step()
         if loss is not None:
             losses.append(loss.item())
@@ -274,9 +202,11 @@ def train_and_record(setup: Setup, mesh: Mesh) -> RankRecord:
         hooked.clear()
     return RankRecord(
         rank=mesh.rank, replica=mesh.replica, pipe_rank=mesh.pipe_rank,
-        pipeline=[mesh.global_rank(p) for p in range(mesh.pp)],
+        pipeline=(dist.get_process_group_ranks(mesh.pipe_group) if mesh.pipe_group
+                  else [mesh.rank]),
         dp_group=dist.get_process_group_ranks(mesh.dp_group) if mesh.dp_group else [mesh.rank],
         replica_losses=replica_losses, losses=losses, all_reduces=all_reduces,
+        grad_norms=grad_norms,
         parameters={names[id(p)]: p.detach().cpu().clone() for p in pipe.parameters()},
         last_step=pipe.events)
 
@@ -290,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     setup = Setup(**torch.load(args.workdir / "setup.pt"))
     with process_group(timeout=args.timeout):
-        mesh = init_mesh(setup.pp, setup.dp, args.timeout)
+        mesh = init_mesh(setup.pp, setup.dp, args.timeout, setup.order)
         results.start_run(args.workdir, RESULTS)
         record = train_and_record(setup, mesh)
         saved = asdict(record)

@@ -17,12 +17,18 @@ This file is also the torchrun worker that runs them and writes what happened::
     torchrun --nproc-per-node 2 -m pipeline_lib.course.workers.torch_pipelining WORKDIR \\
         --runs gpipe:manual,1f1b:tracer --microbatches 4
 
+With ``--mesh PPxDP`` (and ``--nproc-per-node PP*DP``) it runs instead one 1F1B step of
+DP replicas of a PP-stage pipeline (`mesh_step`): the stages built on the meta device
+then materialised, `PipelineStage(..., group=)` on a device mesh's pipeline group, the
+gradients averaged over its data-parallel group.
+
 ``WORKDIR/setup.pt`` (`write_pipelining_setup`) holds the model's config and weights and
 one batch;
 every run starts from those weights and leaves, per rank, the micro-batch losses, the
 gradients of the rank's parameters, the timeline of its forwards and backwards and the
-wall-clock start and end of its last step (`read_run` puts the ranks back together). `pytorch_schedule` turns the action order PyTorch
-describes for a schedule into our `Schedule`, to simulate and draw it.
+wall-clock start and end of its last step (`read_run` puts the ranks back together).
+(`pipeline_lib.course.pytorch_schedules` turns the action order PyTorch describes for a
+schedule into our `Schedule`, to simulate and draw it.)
 """
 from __future__ import annotations
 
@@ -38,11 +44,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           SplitPoint, pipeline)
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from pipeline_lib.distributed.launch import worker_device
 from pipeline_lib.distributed.job import process_group
-from pipeline_lib.lm.model import transformer_lm
+from pipeline_lib.lm.model import Embedding, transformer_lm
 from pipeline_lib.course import pytorch_schedules
 from pipeline_lib.schedules import Action, Schedule
 from pipeline_lib.timeline import Event, Timeline
@@ -50,7 +57,9 @@ from pipeline_lib.lm.loops import lm_loss
 from pipeline_lib.course.workers import results
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-pytorch_schedule = pytorch_schedules.pytorch_schedule   # notebook 06 imports it from here
+# copies of notebook 06 handed out before it moved to pipeline_lib.course.pytorch_schedules
+# import it from here
+pytorch_schedule = pytorch_schedules.pytorch_schedule
 SPLITS = ("manual", "tracer")
 RESULTS = "rank"   # each process saves WORKDIR/SCHEDULE-SPLIT/rank{rank}.pt
 
@@ -102,6 +111,25 @@ def make_stage(model: nn.Sequential, balance: Sequence[int], split: str, rank: i
     raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
 
 
+def materialize(stage: nn.Module, state_dict: dict[str, Tensor], d_model: int,
+                device: torch.device) -> nn.Module:
+    """A stage built on the ``meta`` device (shapes only, no memory), given memory on
+    ``device`` and its weights from ``state_dict`` (the full model's, names as in
+    `manual_split`).
+
+    ``to_empty`` allocates without initialising, and a checkpoint holds only persistent
+    tensors: the embedding's position table (``pe``, a buffer its constructor computes)
+    would stay garbage, so it is recomputed, from a one-token `Embedding` of the same width.
+    """
+    stage.to_empty(device=device)
+    own = stage.state_dict().keys()
+    stage.load_state_dict({name: state_dict[name] for name in own})
+    for module in stage.modules():
+        if isinstance(module, Embedding):
+            module.pe.copy_(Embedding(1, d_model, 0.0, module.pe.size(0)).pe)
+    return stage
+
+
 # -- watching the runtime ----------------------------------------------------------------
 
 def record_actions(stage: _PipelineStageBase, events: list[Event]) -> None:
@@ -151,6 +179,7 @@ def write_pipelining_setup(workdir: str | Path, model_config: dict[str, Any],
     for schedule in SCHEDULES:
         for split in SPLITS:
             results.clear(_folder(workdir, schedule, split), RESULTS)
+    results.clear(workdir / MESH, RESULTS)
     path = workdir / "setup.pt"
     torch.save({"model_config": model_config, "state_dict": model.state_dict(),
                 "inputs": inputs, "targets": targets, "balance": list(balance)}, path)
@@ -244,6 +273,60 @@ def _run(setup: dict[str, Any], schedule: str, split: str, microbatches: int,
             "timeline": Timeline(world, events).to_dict()}
 
 
+MESH = "mesh"   # mesh_step's results: WORKDIR/mesh/rank{rank}.pt
+
+
+def mesh_step(setup: dict[str, Any], pp: int, dp: int, microbatches: int,
+              device: torch.device) -> dict[str, Any]:
+    """One Schedule1F1B step on ``dp`` replicas of a ``pp``-stage pipeline; this rank's
+    gradients after the data-parallel average, and the ranks of its two groups.
+
+    Global rank = replica × pp + pipe rank (`init_device_mesh` with the ``dp`` dimension
+    first). Each replica takes its share of the batch's rows; the stage's peers are its
+    pipeline group's ranks (``group=``), the average runs over the data-parallel group.
+    """
+    if len(setup["balance"]) != pp:
+        raise ValueError(f"balance {setup['balance']} makes {len(setup['balance'])} stages, "
+                         f"not pp = {pp}")
+    rows = setup["inputs"].size(0)
+    if rows % (dp * microbatches):
+        raise ValueError(f"a batch of {rows} rows does not split into {dp} replicas of "
+                         f"{microbatches} equal micro-batches: the average of the replicas' "
+                         f"mean losses is the batch's mean only with equal shares; choose "
+                         f"--microbatches and dp so that dp × microbatches divides {rows}")
+    mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+    pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+    replica, pipe_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    with torch.device("meta"):                 # shapes only: nothing allocated
+        whole = transformer_lm(**setup["model_config"])
+    module = materialize(manual_split(whole, setup["balance"], pipe_rank),
+                         setup["state_dict"], setup["model_config"]["d_model"], device)
+    stage = PipelineStage(module, pipe_rank, pp, device, group=pp_group)
+    runner = Schedule1F1B(stage, microbatches, loss_fn=lm_loss)
+    inputs = setup["inputs"].tensor_split(dp)[replica].to(device)
+    targets = setup["targets"].tensor_split(dp)[replica].to(device)
+    if stage.is_first:
+        runner.step(inputs)
+    elif stage.is_last:
+        runner.step(target=targets)
+    else:
+        runner.step()
+    grads = {}
+    for name, parameter in module.named_parameters():
+        dist.all_reduce(parameter.grad, group=dp_group)   # the sum over replicas ...
+        grads[name] = (parameter.grad / dp).cpu()         # ... into their mean
+    return {"grads": grads, "replica": replica, "pipe_rank": pipe_rank,
+            "pipeline_group": dist.get_process_group_ranks(pp_group),
+            "data_group": dist.get_process_group_ranks(dp_group)}
+
+
+def read_mesh_step(workdir: str | Path, pp: int, dp: int) -> list[dict[str, Any]]:
+    """`mesh_step`'s results, one per global rank."""
+    return results.load(Path(workdir) / MESH, RESULTS,
+                        f"torchrun --nproc-per-node {pp * dp} -m {__name__} {workdir} "
+                        f"--mesh {pp}x{dp}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workdir", type=Path,
@@ -253,6 +336,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                              f"{sorted(SCHEDULES)}, split in {SPLITS}")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--mesh", default=None, metavar="PPxDP",
+                        help="instead of --runs: one 1F1B step of DP replicas of a PP-stage "
+                             "pipeline (launch PP*DP processes)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.microbatches < 1:
         parser.error("--steps and --microbatches must be at least 1")
@@ -264,8 +350,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not (args.workdir / "setup.pt").exists():
         parser.error(f"{args.workdir} has no setup.pt: write one with "
                      f"write_pipelining_setup()")
+    if args.mesh is not None:
+        pp, _, dp = args.mesh.partition("x")
+        if not (pp.isdigit() and dp.isdigit() and int(pp) >= 1 and int(dp) >= 1):
+            parser.error(f"--mesh {args.mesh!r}: write PPxDP, e.g. 2x2")
     setup = torch.load(args.workdir / "setup.pt")
     device = worker_device()
+    if args.mesh is not None:
+        with process_group():
+            folder = args.workdir / MESH
+            folder.mkdir(exist_ok=True)
+            results.start_run(folder, RESULTS)
+            results.save(folder, RESULTS, mesh_step(setup, int(pp), int(dp),
+                                                    args.microbatches, device))
+        return
     with process_group():
         for schedule, split in runs:
             folder = _folder(args.workdir, schedule, split)

@@ -1,0 +1,282 @@
+"""Checks of notebook 04's exercises (data-parallel primitives and the chunked loss).
+
+Each ``check_4_N`` calls the learner's function on inputs where the usual mistakes give
+different numbers, and, where the numbers alone cannot tell, watches *how* the answer
+works: 4.1 records every call of the generator (which replica, how many rows and
+positions), 4.3 records the size of every tensor PyTorch makes. The library functions
+that compute the answer are withheld during the learner's call. A failed check raises
+`ExerciseFailed`; the notebook's ``with exercise(...)`` prefixes the exercise's name.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pipeline_lib.course.exercises import ExerciseFailed, withheld
+from pipeline_lib.lm.loops import lm_loss
+from pipeline_lib.lm.model import transformer_lm
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ExerciseFailed(message)
+
+
+# -- 4.1: scatter + chunked loss ---------------------------------------------------------------
+
+class _CallLog(list):
+    """A list that `copy.deepcopy` shares instead of copying: `replicate` deep-copies the
+    generator, and every replica must write its calls into the check's one log."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _CallLog:
+        return self
+
+
+class RecordingLinear(nn.Linear):
+    """`nn.Linear` that logs ``(id of the module called, input shape)`` at every call, its
+    replicas included: how the learner's loss splits the work is seen, not guessed."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features)
+        self.calls = _CallLog()
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls.append((id(self), tuple(x.shape)))
+        return super().forward(x)
+
+
+def _withheld_4_1() -> list[Any]:
+    from pipeline_lib.course import data_parallel
+    return ["pipeline_lib.lm.chunked_loss", "pipeline_lib.lm.multi_device_loss",
+            data_parallel.data_parallel_step]
+
+
+def check_4_1(scattered_chunked_loss: Callable[..., Any],
+              namespace: dict[str, Any] | None = None) -> None:
+    """Exercise 4.1: the loss, ``features.grad`` and the generator's gradients equal the
+    plain loss's, and every generator call ran on one device's replica, with at most that
+    device's rows and ``chunk`` positions, ceil(positions / chunk) calls per device."""
+    torch.manual_seed(0)
+    rows, positions, width, vocab = 5, 7, 16, 50
+    features, target = torch.randn(rows, positions, width), torch.randint(0, vocab, (rows, positions))
+    start_generator = RecordingLinear(width, vocab)
+    for devices, chunk in [(["cpu"] * 2, 3), (["cpu"] * 3, 2)]:
+        setup = f"{len(devices)} devices, chunks of {chunk}"
+        plain_out, plain = features.clone().requires_grad_(), copy.deepcopy(start_generator)
+        expected = F.cross_entropy(plain(plain_out).flatten(0, 1), target.flatten())
+        expected.backward()
+        start_generator.calls.clear()
+        mine, generator = features.clone().requires_grad_(), copy.deepcopy(start_generator)
+        with withheld(*_withheld_4_1(), namespace=namespace):
+            loss = float(scattered_chunked_loss(mine, generator, target, devices, chunk))
+        calls = list(start_generator.calls)
+        _check_calls(calls, id(generator), rows, positions, len(devices), chunk, setup)
+        _check_loss_4_1(loss, expected.item(), features, target, start_generator, devices,
+                        chunk, setup)
+        _require(mine.grad is not None,
+                 f"{setup}: features.grad is None: call features.backward(...) with the "
+                 f"gathered gradient of all devices' rows (concatenated along dim 0)")
+        wrong = (mine.grad - plain_out.grad).abs().amax(dim=2) > 1e-6
+        _require(not wrong.any(),
+                 f"{setup}: the decoder-output gradient features.grad differs from the "
+                 f"plain loss's at (row, position) {wrong.nonzero()[:4].tolist()}...; "
+                 f"concatenate each device's chunk gradients along dim 1, then the devices' "
+                 f"along dim 0, in order")
+        for name, param in generator.named_parameters():
+            reference = dict(plain.named_parameters())[name].grad
+            _require(param.grad is not None,
+                     f"{setup}: generator.{name}.grad is None: sum the replicas' gradients "
+                     f"into the generator (reduce_gradients(replicas, generator))")
+            ratio = (param.grad.norm() / reference.norm()).item()
+            _require(torch.allclose(param.grad, reference, rtol=1e-4, atol=1e-6),
+                     f"{setup}: the weight gradient generator.{name}.grad differs from the "
+                     f"plain loss's (its norm is {ratio:.2f} times the expected); every "
+                     f"replica's gradient must be summed into the generator, once")
+
+
+def _check_calls(calls: list[tuple[int, tuple[int, ...]]], original: int, rows: int,
+                 positions: int, devices: int, chunk: int, setup: str) -> None:
+    """The generator calls a correct answer makes: one replica per device, each called
+    once per chunk on its rows only."""
+    _require(bool(calls), f"{setup}: the generator was never called: project each chunk "
+                          f"with its device's replica, replica(chunk_of_features)")
+    shapes = sorted({shape for _, shape in calls})
+    _require(all(module != original for module, _ in calls),
+             f"{setup}: the generator itself was called (inputs {shapes}): replicate it "
+             f"onto the devices and project each device's rows with its own replica")
+    most_rows = math.ceil(rows / devices)
+    too_big = [s for s in shapes if len(s) != 3 or s[0] > most_rows or s[1] > chunk]
+    _require(not too_big,
+             f"{setup}: the generator saw inputs of shape {too_big}, but a device holds at "
+             f"most {most_rows} of the {rows} rows and a chunk at most {chunk} positions: "
+             f"scatter the rows over the devices, then project [rows, chunk, features] "
+             f"slices one at a time")
+    per_replica: dict[int, int] = {}
+    for module, _ in calls:
+        per_replica[module] = per_replica.get(module, 0) + 1
+    pieces = len(torch.empty(rows).chunk(devices))
+    chunks = math.ceil(positions / chunk)
+    _require(len(per_replica) == pieces and set(per_replica.values()) == {chunks},
+             f"{setup}: {len(per_replica)} replicas made {sorted(per_replica.values())} "
+             f"generator calls each; expected {pieces} replicas (one per device with rows) "
+             f"of {chunks} calls each (ceil({positions} / {chunk}) chunks of positions), "
+             f"every position projected exactly once")
+
+
+def _check_loss_4_1(loss: float, expected: float, features: Tensor, target: Tensor,
+                    generator: nn.Module, devices: list[str], chunk: int, setup: str) -> None:
+    def mean_of_means(pieces: list[tuple[Tensor, Tensor]]) -> float:
+        with torch.no_grad():
+            return sum(F.cross_entropy(generator(f).flatten(0, 1), t.flatten()).item()
+                       for f, t in pieces) / len(pieces)
+
+    rows = list(zip(features.chunk(len(devices)), target.chunk(len(devices))))
+    columns = [(f[:, a:a + chunk], t[:, a:a + chunk]) for f, t in rows
+               for a in range(0, features.size(1), chunk)]
+    unweighted = {"each device's": mean_of_means(rows), "each chunk's": mean_of_means(columns)}
+    mistake = [name for name, value in unweighted.items() if abs(loss - value) < 1e-4]
+    why = (f"That is the average of {mistake[0]} own mean loss, so a device or chunk with "
+           f"fewer tokens counts as much as a full one. " if mistake else "")
+    ratio = loss / expected
+    times = f" (yours is {ratio:.2f} times that)" if abs(ratio - 1) > 0.05 else ""
+    _require(abs(loss - expected) < 1e-4,
+             f"{setup}: your loss is {loss:.5f}, the batch's mean cross-entropy is "
+             f"{expected:.5f}{times}. {why}Divide each chunk's summed token losses by the "
+             f"whole batch's token count ({target.numel()}) and add them all up")
+
+
+# -- 4.2: DDP's gradient averaging -------------------------------------------------------------
+
+def check_4_2(average_gradients: Callable[[list[nn.Module]], None],
+              namespace: dict[str, Any] | None = None) -> None:
+    """Exercise 4.2: after the learner's averaging, every replica holds its own copy of
+    the mean gradient, which equals one model's on the whole batch."""
+    from pipeline_lib.course.data_parallel import reduce_gradients, replicate
+    torch.manual_seed(0)
+    tiny = transformer_lm(vocab_size=40, d_model=16, nhead=2, d_hid=32, nlayers=1, dropout=0.0)
+    tokens, next_tokens = torch.randint(0, 40, (2, 6, 5))   # 6 rows, 2 per replica
+    one_model = copy.deepcopy(tiny)
+    lm_loss(one_model(tokens), next_tokens).backward()
+    replicas = replicate(tiny, ["cpu"] * 3)
+    for replica, rows, targets in zip(replicas, tokens.chunk(3), next_tokens.chunk(3)):
+        lm_loss(replica(rows), targets).backward()
+    with withheld(reduce_gradients, namespace=namespace):
+        average_gradients(replicas)
+    for name, expected in one_model.named_parameters():
+        grads = [dict(r.named_parameters())[name].grad for r in replicas]
+        _require(all(g is not None for g in grads),
+                 f"{name}: a replica's .grad is None; every replica must keep a gradient")
+        differ = [k for k, g in enumerate(grads) if not torch.equal(g, grads[0])]
+        _require(not differ, f"{name}: replicas {differ} end with a different gradient from "
+                             f"replica 0; the all-reduce leaves the same mean in every replica")
+        ratio = (grads[0].norm() / expected.grad.norm()).item()
+        _require(torch.allclose(grads[0], expected.grad, rtol=1e-4, atol=1e-6),
+                 f"{name}: the replicas' gradient is {ratio:.2f} times one model's on the "
+                 f"whole batch (norms); each replica's loss is already a mean over its rows, "
+                 f"so the replicas' gradients are averaged (divided by {len(replicas)}), "
+                 f"not summed")
+        _require(len({g.data_ptr() for g in grads}) == len(grads),
+                 f"{name}: the replicas share one gradient tensor; give each replica its "
+                 f"own copy (on a GPU each lives on its own device)")
+
+
+# -- 4.3: vocabulary-parallel cross-entropy ----------------------------------------------------
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor an operation made inside the block, backward
+    included, and the shape it had: does any "device" ever hold the whole logits?"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel, self.shape = 0, ()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, Tensor) and t.numel() > self.numel:
+                self.numel, self.shape = t.numel(), tuple(t.shape)
+        return out
+
+
+def vocab_shards(decoder: nn.Linear, sizes: list[int]) -> list[nn.Linear]:
+    """``decoder`` cut by vocabulary rows into shards of ``sizes`` ids, in order: shard k
+    holds ids ``sum(sizes[:k]) .. sum(sizes[:k + 1]) - 1``, as a device would."""
+    if sum(sizes) != decoder.out_features:
+        raise ValueError(f"the shards' sizes {sizes} add up to {sum(sizes)}, not the "
+                         f"decoder's vocabulary of {decoder.out_features}")
+    shards, start = [], 0
+    for size in sizes:
+        shard = nn.Linear(decoder.in_features, size)
+        with torch.no_grad():
+            shard.weight.copy_(decoder.weight[start:start + size])
+            shard.bias.copy_(decoder.bias[start:start + size])
+        shards.append(shard)
+        start += size
+    return shards
+
+
+def check_4_3(vocab_parallel_cross_entropy: Callable[..., Tensor],
+              namespace: dict[str, Any] | None = None) -> None:
+    """Exercise 4.3: the loss and every gradient equal ``F.cross_entropy`` on the whole
+    decoder's logits, for moderate logits and for logits too large for ``exp`` in float32;
+    and no tensor as large as the whole logits is ever made, forward or backward."""
+    tokens, width, sizes = 24, 8, [23, 27]     # width < tokens: only logits reach tokens × V
+    vocab = sum(sizes)
+    for scale, what in [(1.0, "moderate logits"), (300.0, "logits in the hundreds")]:
+        torch.manual_seed(1)
+        decoder = nn.Linear(width, vocab)
+        with torch.no_grad():
+            decoder.weight.mul_(scale)
+        features = torch.randn(tokens, width)
+        target = torch.randint(0, vocab, (tokens,))
+        target[:3] = torch.tensor([0, sizes[0] - 1, sizes[0]])   # both shards' edges
+        plain_in = features.clone().requires_grad_()
+        expected = F.cross_entropy(decoder(plain_in), target)
+        expected.backward()
+        mine = features.clone().requires_grad_()
+        shards = vocab_shards(decoder, sizes)
+        largest = LargestTensor()
+        with withheld(vocab_shards, namespace=namespace), largest:
+            loss = vocab_parallel_cross_entropy(mine, shards, target)
+            _require(isinstance(loss, Tensor) and loss.dim() == 0 and loss.requires_grad,
+                     f"return the mean loss as a 0-dim tensor still attached to the graph "
+                     f"(so that .backward() reaches the shards), got {loss!r}")
+            loss.backward()
+        full = tokens * vocab
+        _require(largest.numel < full,
+                 f"{what}: a tensor of shape {list(largest.shape)} ({largest.numel:,} "
+                 f"values) was made: as large as the whole logits [{tokens}, {vocab}]. Each "
+                 f"device may hold only its own shard's logits [{tokens}, {sizes[0]}] or "
+                 f"[{tokens}, {sizes[1]}]; combine per-token numbers ([{tokens}] each: a max, "
+                 f"a sum of exponentials, the target's logit) across the devices instead")
+        got = loss.item()
+        _require(math.isfinite(got),
+                 f"{what}: your loss is {got}: exp of a logit in the hundreds overflows "
+                 f"float32. Subtract each token's largest logit over the whole vocabulary "
+                 f"(the max of the devices' maxima) before exp, and add it back after log")
+        _require(abs(got - expected.item()) <= 1e-4 * max(1.0, abs(expected.item())),
+                 f"{what}: your loss is {got:.5f}, F.cross_entropy on the whole logits gives "
+                 f"{expected.item():.5f}. Per token: log of the sum of exp over the whole "
+                 f"vocabulary (every device's sum, each taken after subtracting the same "
+                 f"global max) minus the target's logit, which only the device holding that "
+                 f"id has (at index target - that shard's first id)")
+        starts = [0, sizes[0]]
+        for k, shard in enumerate(shards):
+            for name in ("weight", "bias"):
+                grad = getattr(shard, name).grad
+                want = getattr(decoder, name).grad[starts[k]:starts[k] + sizes[k]]
+                _require(grad is not None and torch.allclose(grad, want, rtol=1e-4, atol=1e-5),
+                         f"{what}: shard {k}'s {name} gradient differs from that slice of "
+                         f"the whole decoder's: build the loss from every shard's logits, "
+                         f"so the backward reaches each shard")
+        _require(mine.grad is not None and torch.allclose(mine.grad, plain_in.grad,
+                                                          rtol=1e-4, atol=1e-5),
+                 f"{what}: the gradient of the features differs from F.cross_entropy's: "
+                 f"both shards' logits must stay in the graph")

@@ -1,0 +1,256 @@
+"""Checks of notebook 05's exercises (a pipeline replicated with DDP), and the cost model
+that grades exercise 5.1.
+
+The cost model (`Cluster`, `grid_problem`, `communication_seconds`, `cheapest_grid`)
+lives here, with the grader, not in the notebook's worker: it is the answer to 5.1, so it
+is withheld during the learner's call, and the expected grid is computed before. Each
+``check_5_N`` raises `ExerciseFailed` on a wrong answer; the notebook's ``with
+exercise(...)`` prefixes the exercise's name.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from pipeline_lib.course.exercises import ExerciseFailed, withheld
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ExerciseFailed(message)
+
+
+# -- where the ranks go: the cost model of exercise 5.1 ----------------------------------------
+
+Grid = tuple[list[list[int]], list[list[int]]]   # (pipelines, DDP groups) of global ranks
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``machines`` × ``gpus`` processes, global rank r on machine ``r // gpus``: two GPUs of
+    one machine talk at ``fast`` bytes/s (NVLink), two machines at ``slow`` (the network)."""
+
+    machines: int
+    gpus: int
+    fast: float
+    slow: float
+
+    def bandwidth(self, a: int, b: int) -> float:
+        return self.fast if a // self.gpus == b // self.gpus else self.slow
+
+
+def grid_problem(pipelines: list[list[int]], dp_groups: list[list[int]], pp: int,
+                 dp: int) -> str | None:
+    """What makes ``(pipelines, dp_groups)`` no ``dp × pp`` grid of ranks ``0 .. dp·pp − 1``,
+    or None: ``dp`` pipelines of ``pp`` ranks, every rank once, and DDP group ``s`` holding
+    stage ``s`` of every pipeline (``dp_groups[s][d] == pipelines[d][s]``)."""
+    try:
+        pipelines = [[int(r) for r in p] for p in pipelines]
+        dp_groups = [[int(r) for r in g] for g in dp_groups]
+    except (TypeError, ValueError):
+        return (f"return two lists of lists of ranks (pipelines, dp_groups), got "
+                f"{pipelines!r} and {dp_groups!r}")
+    if [len(p) for p in pipelines] != [pp] * dp:
+        return f"expected {dp} pipelines of {pp} ranks, got {pipelines}"
+    ranks = sorted(r for p in pipelines for r in p)
+    if ranks != list(range(pp * dp)):
+        return f"the pipelines must hold every rank 0..{pp * dp - 1} once, they hold {ranks}"
+    columns = [[p[s] for p in pipelines] for s in range(pp)]
+    if dp_groups != columns:
+        return (f"DDP group s holds stage s of every pipeline: with pipelines {pipelines} "
+                f"they are {columns}, got {dp_groups}")
+    return None
+
+
+def communication_seconds(cluster: Cluster, grid: Grid, all_reduce_bytes: float,
+                          pipeline_bytes: float) -> tuple[float, float]:
+    """Seconds per step spent on (pipeline messages, gradient all-reduce) with ``grid``.
+
+    A pipeline boundary moves ``pipeline_bytes`` (every micro-batch's activation forward
+    and its gradient back) over the link between its two ranks; a DDP group's ring
+    all-reduce sends ``all_reduce_bytes`` from each rank, at the pace of the group's slowest
+    link. Groups of one kind run at once, so the slowest counts; the two kinds add up. A
+    deliberately simple model: no overlap with compute, no two groups sharing a link."""
+    pipelines, dp_groups = grid
+    pipeline = max((pipeline_bytes / cluster.bandwidth(a, b)
+                    for p in pipelines for a, b in zip(p, p[1:])), default=0.0)
+    all_reduce = max((all_reduce_bytes / min(cluster.bandwidth(a, b) for a in g for b in g
+                                             if a != b)
+                      for g in dp_groups if len(g) > 1), default=0.0)
+    return pipeline, all_reduce
+
+
+def cheapest_grid(cluster: Cluster, pp: int, dp: int, all_reduce_bytes: float,
+                  pipeline_bytes: float) -> Grid:
+    """The grid that spends the least time communicating, found by trying every order of
+    the ranks: (dp·pp)! grids, fine for the handful of ranks of an exercise."""
+    if pp * dp != cluster.machines * cluster.gpus or pp * dp > 8:
+        raise ValueError(f"pp × dp = {pp * dp} must equal the cluster's "
+                         f"{cluster.machines * cluster.gpus} GPUs, and at most 8 ranks can be "
+                         f"tried one order at a time")
+
+    def grid(order: tuple[int, ...]) -> Grid:
+        pipelines = [list(order[d * pp:(d + 1) * pp]) for d in range(dp)]
+        return pipelines, [[p[s] for p in pipelines] for s in range(pp)]
+
+    return min((grid(order) for order in itertools.permutations(range(pp * dp))),
+               key=lambda g: sum(communication_seconds(cluster, g, all_reduce_bytes,
+                                                       pipeline_bytes)))
+
+
+CLUSTER_5_1 = Cluster(machines=2, gpus=2, fast=300e9, slow=25e9)   # NVLink, 200 Gb/s network
+
+
+def jobs_5_1() -> dict[str, tuple[float, float]]:
+    """Exercise 5.1's jobs: (bytes each rank all-reduces, bytes through a pipeline boundary)
+    per step. Their ratios go both ways, and the third is close enough to 1 that a rule of
+    thumb ("DDP moves over ten times the bytes") picks the wrong grid."""
+    ring = 2 * (2 - 1) / 2
+    tutorial_stage = 722_145_390   # the larger stage of PRESETS["tutorial"] split in 2 by
+    #                                parameters (notebook 05's table computes it on `meta`)
+    return {"the tutorial's model (about 1.44 billion parameters, 2 stages)":
+                (ring * tutorial_stage * 4, 2 * 20 * 35 * 4096 * 4),
+            "a 30M-parameter stage fed 32 rows × 8,192 tokens of width 1,024":
+                (ring * 30e6 * 4, 2 * 32 * 8192 * 1024 * 4),
+            "a 100M-parameter stage fed 16 rows × 2,048 tokens of width 1,024":
+                (ring * 100e6 * 4, 2 * 16 * 2048 * 1024 * 4)}
+
+
+def check_5_1(place_ranks: Callable[..., Any], namespace: dict[str, Any] | None = None) -> None:
+    """Exercise 5.1: for every job, a valid 2 × 2 grid that communicates no longer than
+    the cheapest one. The grader's cost model is withheld while ``place_ranks`` runs."""
+    cluster = CLUSTER_5_1
+    for job, (all_reduce, pipeline) in jobs_5_1().items():
+        best = cheapest_grid(cluster, 2, 2, all_reduce, pipeline)
+        least = communication_seconds(cluster, best, all_reduce, pipeline)
+        with withheld(cheapest_grid, communication_seconds, namespace=namespace):
+            grid = place_ranks(all_reduce, pipeline, cluster.fast, cluster.slow)
+        _require(isinstance(grid, (tuple, list)) and len(grid) == 2,
+                 f"return a tuple (pipelines, dp_groups), got {grid!r}")
+        problem = grid_problem(*grid, pp=2, dp=2)
+        _require(problem is None, f"{job}: {problem}")
+        mine = communication_seconds(cluster, grid, all_reduce, pipeline)
+        _require(sum(mine) <= sum(least) * (1 + 1e-9),
+                 f"{job} ({all_reduce / 1e6:,.0f} MB all-reduced, {pipeline / 1e6:,.0f} MB "
+                 f"through each pipeline boundary per step): pipelines {grid[0]} with DDP "
+                 f"groups {grid[1]} communicate {sum(mine) * 1e3:.2f} ms per step "
+                 f"({mine[0] * 1e3:.2f} pipeline + {mine[1] * 1e3:.2f} all-reduce), pipelines "
+                 f"{best[0]} with DDP groups {best[1]} {sum(least) * 1e3:.2f} ms "
+                 f"({least[0] * 1e3:.2f} + {least[1] * 1e3:.2f}): compare the two grids' "
+                 f"seconds, bytes / bandwidth, rather than using a rule of thumb")
+
+
+# -- 5.2: bytes per step, counted --------------------------------------------------------------
+
+def cases_5_2() -> dict[str, tuple[list[nn.Module], Tensor, int, list[int], list[int], int]]:
+    """name: (stages, micro-batch, chunks, parameters per stage, values per activation at
+    each boundary, bytes per value): a small Transformer LM cut in two, and a 3-stage
+    float64 MLP (8-byte values: an answer that assumes 4 bytes fails)."""
+    from pipeline_lib.lm.model import transformer_lm
+    from pipeline_lib.partition import layer_params
+    torch.manual_seed(0)
+    lm = transformer_lm(vocab_size=300, d_model=16, nhead=2, d_hid=32, nlayers=2, dropout=0.0)
+    sizes = layer_params(lm)
+    mlp = nn.Sequential(nn.Linear(10, 40), nn.ReLU(), nn.Linear(40, 24),
+                        nn.Linear(24, 3)).double()
+    return {
+        "a small Transformer LM in 2 stages": (
+            [lm[0:3], lm[3:]], torch.randint(0, 300, (2, 7)), 4,
+            [sum(sizes[:3]), sum(sizes[3:])], [2 * 7 * 16], 4),
+        "the float64 MLP in 3 stages": (
+            [mlp[0:2], mlp[2:3], mlp[3:4]], torch.zeros(5, 10, dtype=torch.float64), 6,
+            [10 * 40 + 40, 40 * 24 + 24, 24 * 3 + 3], [5 * 40, 5 * 24], 8)}
+
+
+def check_5_2(step_bytes: Callable[..., Any], namespace: dict[str, Any] | None = None) -> None:
+    """Exercise 5.2: the bytes match the parameter counts and activation shapes, for
+    ``dp`` = 2 and 4, 4-byte and 8-byte values."""
+    for name, (stages, micro, chunks, params, widths, size) in cases_5_2().items():
+        for dp in (2, 4):
+            all_reduce, boundary = step_bytes(stages, micro, chunks, dp)
+            _require(len(all_reduce) == len(stages) and len(boundary) == len(stages) - 1,
+                     f"{name}: {len(stages)} stages have {len(stages)} all-reduces and "
+                     f"{len(stages) - 1} boundaries, got {len(all_reduce)} and {len(boundary)}")
+            for s, got in enumerate(all_reduce):
+                want = 2 * (dp - 1) / dp * params[s] * size
+                _require(math.isclose(got, want),
+                         f"{name}, dp = {dp}: all_reduce[{s}] is {got:,.0f} bytes, expected "
+                         f"{want:,.0f}: 2(dp − 1)/dp × {params[s]:,} gradients × {size} bytes")
+            for s, got in enumerate(boundary):
+                want = 2 * chunks * widths[s] * size
+                _require(math.isclose(got, want),
+                         f"{name}: boundary[{s}] is {got:,.0f} bytes, expected {want:,.0f}: "
+                         f"2 (forward and backward) × {chunks} micro-batches × "
+                         f"{widths[s]:,} values × {size} bytes")
+
+
+# -- 5.3: global gradient clipping on a dp × pp mesh -------------------------------------------
+
+StageGrads = dict[str, Tensor]
+
+
+def mesh_gradients(model: nn.Sequential, cuts: list[int], inputs: Tensor, targets: Tensor,
+                   dp: int) -> list[list[StageGrads]]:
+    """``grads[d][s]``: replica d's gradients of stage s's parameters (the layers
+    ``cuts[s]:cuts[s + 1]``, named as in ``model``), of the mean loss over replica d's rows:
+    what each rank of a ``dp × pp`` mesh holds before DDP averages."""
+    grads = []
+    for rows, wanted in zip(inputs.chunk(dp), targets.chunk(dp)):
+        model.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(rows), wanted).backward()
+        named = dict(model.named_parameters())
+        grads.append([{n: named[n].grad.clone() for n in named
+                       if cuts[s] <= int(n.split(".")[0]) < cuts[s + 1]}
+                      for s in range(len(cuts) - 1)])
+    return grads
+
+
+def check_5_3(clip_global: Callable[..., Any], namespace: dict[str, Any] | None = None) -> None:
+    """Exercise 5.3: every replica's every stage ends with the gradient that
+    ``torch.nn.utils.clip_grad_norm_`` leaves in the unpipelined model trained on the whole
+    batch, and the returned norm is that model's, for a clip that bites and one that does
+    not. `pipeline_lib.grad_clip.clip_grad_norm_` is withheld."""
+    from pipeline_lib import grad_clip
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    cuts, dp = [0, 2, 5, 7], 2                      # 3 pipeline ranks, uneven stages
+    inputs, targets = torch.randn(8, 6), torch.randn(8, 4) * 3
+    model.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(model(inputs), targets).backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    for max_norm, what in [(norm / 3, "a clip that bites"), (norm * 2, "a clip above the norm")]:
+        model.zero_grad(set_to_none=True)           # the unpipelined model, whole batch
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        expected_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+        expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads = mesh_gradients(model, cuts, inputs, targets, dp)
+        setup = f"{dp} replicas × {len(cuts) - 1} pipeline ranks, max_norm {max_norm:.3f} ({what})"
+        with withheld(grad_clip.clip_grad_norm_, namespace=namespace):
+            got = clip_global(grads, max_norm)
+        _require(isinstance(got, (float, int, Tensor)),
+                 f"{setup}: return the total norm before clipping, got {got!r}")
+        got = float(got)
+        for d, stages in enumerate(grads):
+            for s, stage in enumerate(stages):
+                for n, g in stage.items():
+                    if torch.allclose(g, expected[n], rtol=1e-4, atol=1e-6):
+                        continue
+                    ratio = (g.norm() / expected[n].norm()).item()
+                    _require(False,
+                             f"{setup}: replica {d}, pipeline rank {s}: {n}'s gradient is not "
+                             f"the unpipelined model's after clip_grad_norm_ (its norm is "
+                             f"{ratio:.3f} times that). First the replicas' average (DDP's "
+                             f"all-reduce, per stage), then ONE norm over every pipeline "
+                             f"rank's averaged gradients (sum the ranks' squared norms, "
+                             f"then the square root), then the same factor "
+                             f"min(1, max_norm / norm) on every rank of every replica")
+        _require(math.isclose(got, expected_norm, rel_tol=1e-4),
+                 f"{setup}: you returned {got:.5f}, the whole model's gradient norm is "
+                 f"{expected_norm:.5f} (the norm of the averaged gradients, before clipping)")

@@ -1,0 +1,218 @@
+"""Notebook 04's exercise checks, run in-process: each solution passes; each plausible
+wrong answer and each library shortcut fails with its exercise's own message."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline_lib.course.checks.nb04 import check_4_1, check_4_2, check_4_3
+from pipeline_lib.course.data_parallel import reduce_gradients, replicate, scatter
+from pipeline_lib.course.exercises import ExerciseFailed, exercise
+from pipeline_lib.lm.chunked_loss import chunked_loss_backward
+from pipeline_lib.lm.multi_device_loss import multi_device_loss_backward
+
+
+def fails(check, answer, says: str, name: str) -> None:
+    with pytest.raises(ExerciseFailed) as failed, exercise(name):
+        check(answer, globals())      # as the notebook passes its globals()
+    assert str(failed.value).startswith(name) and says in str(failed.value), failed.value
+
+
+def passes(check, answer) -> None:
+    check(answer)
+
+
+# -- 4.1 ----------------------------------------------------------------------------------------
+
+E41 = "Exercise 4.1 (scatter + chunked loss)"
+
+
+def scattered(features, generator, target, devices, chunk, *, denominator=None,
+              use_replicas=True, do_chunks=True, do_scatter=True):
+    """The solution, with switches for the usual mistakes."""
+    tokens = target.numel()
+    pieces = scatter(features.detach(), devices) if do_scatter else [features.detach()]
+    targets = scatter(target, devices) if do_scatter else [target]
+    replicas = (replicate(generator, devices[:len(pieces)]) if use_replicas
+                else [generator] * len(pieces))
+    total, piece_grads = 0.0, []
+    for piece, replica, piece_target in zip(pieces, replicas, targets):
+        step = chunk if do_chunks else piece.size(1)
+        grads = []
+        for a in range(0, piece.size(1), step):
+            column = piece[:, a:a + step].detach().requires_grad_()
+            part = F.cross_entropy(replica(column).flatten(0, 1),
+                                   piece_target[:, a:a + step].flatten(), reduction="sum")
+            part = part / (denominator(piece_target[:, a:a + step], pieces) if denominator
+                           else tokens)
+            part.backward()
+            total += part.item()
+            grads.append(column.grad)
+        piece_grads.append(torch.cat(grads, dim=1))
+    features.backward(torch.cat(piece_grads))
+    if use_replicas:
+        reduce_gradients(replicas, generator)
+    return total
+
+
+def plain_loss(features, generator, target, devices, chunk):
+    loss = F.cross_entropy(generator(features).flatten(0, 1), target.flatten())
+    loss.backward()
+    return loss.item()
+
+
+def test_4_1_solution_passes():
+    passes(check_4_1, scattered)
+
+
+@pytest.mark.parametrize("answer, says", [
+    (plain_loss, "the generator itself was called"),
+    (lambda *a: scattered(*a, do_chunks=False), "at most"),
+    (lambda *a: scattered(*a, do_scatter=False, use_replicas=False), "the generator itself"),
+    (lambda *a: scattered(*a, use_replicas=False), "the generator itself was called"),
+    (lambda *a: scattered(*a, denominator=lambda t, pieces: t.numel() * len(pieces)),
+     "your loss is"),
+    (lambda *a: scattered(*a, denominator=lambda t, pieces: t.numel()), "your loss is"),
+], ids=["plain loss", "no chunks", "no scatter", "no replicas", "each chunk's mean",
+        "chunk sums over own tokens"])
+def test_4_1_wrong_answers_fail(answer, says):
+    fails(check_4_1, answer, says, E41)
+
+
+@pytest.mark.parametrize("shortcut", [
+    lambda f, g, t, d, c: chunked_loss_backward(f, g, t, c).item(),
+    lambda f, g, t, d, c: multi_device_loss_backward(f, g, t, d, c).item(),
+], ids=["chunked_loss_backward", "multi_device_loss_backward"])
+def test_4_1_library_shortcuts_fail(shortcut):
+    fails(check_4_1, shortcut, "computes the very answer", E41)
+
+
+# -- 4.2 ----------------------------------------------------------------------------------------
+
+E42 = "Exercise 4.2 (DDP's gradient averaging)"
+
+
+def averaged(replicas, *, divide=True, copies=True, only_first=False):
+    for params in zip(*(r.parameters() for r in replicas)):
+        total = torch.stack([p.grad for p in params]).sum(0)
+        mean = total / len(params) if divide else total
+        for p in params[:1] if only_first else params:
+            p.grad = mean.clone() if copies else mean
+
+
+def test_4_2_solution_passes():
+    passes(check_4_2, averaged)
+
+
+@pytest.mark.parametrize("answer, says", [
+    (lambda r: averaged(r, divide=False), "averaged (divided by 3), not summed"),
+    (lambda r: averaged(r, copies=False), "share one gradient tensor"),
+    (lambda r: averaged(r, only_first=True), "end with a different gradient"),
+    (lambda r: None, "end with a different gradient"),
+], ids=["sum", "shared tensor", "first replica only", "nothing"])
+def test_4_2_wrong_answers_fail(answer, says):
+    fails(check_4_2, answer, says, E42)
+
+
+def test_4_2_library_shortcut_fails():
+    def via_reduce(replicas):
+        target = copy.deepcopy(replicas[0])
+        target.zero_grad(set_to_none=True)
+        reduce_gradients(replicas, target)
+        for r in replicas:
+            for p, q in zip(r.parameters(), target.parameters()):
+                p.grad = q.grad / len(replicas)
+    fails(check_4_2, via_reduce, "computes the very answer", E42)
+
+
+# -- 4.3 ----------------------------------------------------------------------------------------
+
+E43 = "Exercise 4.3 (vocabulary-parallel cross-entropy)"
+
+
+def vocab_parallel(features, shards, target):
+    """The solution: per-token max, sum of exps and target logit, combined over shards."""
+    logits = [shard(features) for shard in shards]
+    top = torch.stack([part.detach().amax(dim=1) for part in logits]).amax(dim=0)
+    sum_exp = sum((part - top[:, None]).exp().sum(dim=1) for part in logits)
+    picked, start = torch.zeros_like(top), 0
+    for part in logits:
+        inside = (target >= start) & (target < start + part.size(1))
+        local = (target - start).clamp(0, part.size(1) - 1)
+        picked = picked + torch.where(inside, part.gather(1, local[:, None])[:, 0], 0.0)
+        start += part.size(1)
+    return (sum_exp.log() + top - picked).mean()
+
+
+def whole_logits(features, shards, target):
+    return F.cross_entropy(torch.cat([s(features) for s in shards], dim=1), target)
+
+
+def no_max(features, shards, target):
+    logits = [shard(features) for shard in shards]
+    sum_exp = sum(part.exp().sum(dim=1) for part in logits)
+    picked, start = 0.0, 0
+    for part in logits:
+        inside = (target >= start) & (target < start + part.size(1))
+        local = (target - start).clamp(0, part.size(1) - 1)
+        picked = picked + torch.where(inside, part.gather(1, local[:, None])[:, 0], 0.0)
+        start += part.size(1)
+    return (sum_exp.log() - picked).mean()
+
+
+def local_maxima(features, shards, target):
+    """Each shard subtracts its own max and the sums are added as if it were one."""
+    logits = [shard(features) for shard in shards]
+    tops = [part.detach().amax(dim=1) for part in logits]
+    sum_exp = sum((part - top[:, None]).exp().sum(dim=1) for part, top in zip(logits, tops))
+    top = torch.stack(tops).amax(dim=0)
+    picked, start = torch.zeros_like(top), 0
+    for part in logits:
+        inside = (target >= start) & (target < start + part.size(1))
+        local = (target - start).clamp(0, part.size(1) - 1)
+        picked = picked + torch.where(inside, part.gather(1, local[:, None])[:, 0], 0.0)
+        start += part.size(1)
+    return (sum_exp.log() + top - picked).mean()
+
+
+def local_softmax(features, shards, target):
+    """Each device's own cross-entropy over its half of the vocabulary."""
+    total, start = 0.0, 0
+    for shard in shards:
+        part = shard(features).log_softmax(dim=1)
+        inside = (target >= start) & (target < start + part.size(1))
+        local = (target - start).clamp(0, part.size(1) - 1)
+        total = total - torch.where(inside, part.gather(1, local[:, None])[:, 0], 0.0).sum()
+        start += part.size(1)
+    return total / len(target)
+
+
+def no_offset(features, shards, target):
+    """The target's logit picked at the global id in every shard that is long enough."""
+    logits = [shard(features) for shard in shards]
+    top = torch.stack([part.detach().amax(dim=1) for part in logits]).amax(dim=0)
+    sum_exp = sum((part - top[:, None]).exp().sum(dim=1) for part in logits)
+    picked = torch.zeros_like(top)
+    for part in logits:
+        inside = target < part.size(1)
+        local = target.clamp(0, part.size(1) - 1)
+        picked = picked + torch.where(inside, part.gather(1, local[:, None])[:, 0], 0.0)
+    return (sum_exp.log() + top - picked).mean()
+
+
+def test_4_3_solution_passes():
+    passes(check_4_3, vocab_parallel)
+
+
+@pytest.mark.parametrize("answer, says", [
+    (whole_logits, "as large as the whole logits"),
+    (no_max, "overflows"),
+    (local_maxima, "your loss is"),
+    (local_softmax, "your loss is"),
+    (no_offset, "your loss is"),
+], ids=["whole logits", "no max", "local maxima", "local softmax", "no offset"])
+def test_4_3_wrong_answers_fail(answer, says):
+    fails(check_4_3, answer, says, E43)
