@@ -41,8 +41,11 @@ def test_5_1_solution_passes():
     (lambda a, p, f, s: DDP_IN, "communicate"),                      # always DDP inside
     (lambda a, p, f, s: PIPES_IN if a > p else DDP_IN, "communicate"),   # backwards
     (lambda a, p, f, s: DDP_IN if a > 10 * p else PIPES_IN, "communicate"),  # rule of thumb
+    (lambda a, p, f, s: DDP_IN if 2 * a > p else PIPES_IN, "communicate"),   # ring bytes x2
+    (lambda a, p, f, s: DDP_IN if a > 2 * p else PIPES_IN, "communicate"),   # both ways x2
     (lambda a, p, f, s: (DDP_IN[0], DDP_IN[0]), "DDP group s holds stage s"),
-], ids=["pipelines inside", "DDP inside", "backwards", "ten times rule", "not a grid"])
+], ids=["pipelines inside", "DDP inside", "backwards", "ten times rule", "all-reduce doubled",
+        "pipeline doubled", "not a grid"])
 def test_5_1_wrong_answers_fail(answer, says):
     fails(check_5_1, answer, says, E51)
 

@@ -109,8 +109,9 @@ CLUSTER_5_1 = Cluster(machines=2, gpus=2, fast=300e9, slow=25e9)   # NVLink, 200
 
 def jobs_5_1() -> dict[str, tuple[float, float]]:
     """Exercise 5.1's jobs: (bytes each rank all-reduces, bytes through a pipeline boundary)
-    per step. Their ratios go both ways, and the third is close enough to 1 that a rule of
-    thumb ("DDP moves over ten times the bytes") picks the wrong grid."""
+    per step. Their ratios go both ways, and the last two sit on either side of 1 (about
+    0.75 and 1.5): a rule of thumb ("DDP moves over ten times the bytes") picks the wrong
+    grid for one, and so does a comparison of bytes off by a factor of 2 either way."""
     ring = 2 * (2 - 1) / 2
     tutorial_stage = 722_145_390   # the larger stage of PRESETS["tutorial"] split in 2 by
     #                                parameters (notebook 05's table computes it on `meta`)
@@ -118,6 +119,8 @@ def jobs_5_1() -> dict[str, tuple[float, float]]:
                 (ring * tutorial_stage * 4, 2 * 20 * 35 * 4096 * 4),
             "a 30M-parameter stage fed 32 rows × 8,192 tokens of width 1,024":
                 (ring * 30e6 * 4, 2 * 32 * 8192 * 1024 * 4),
+            "a 50M-parameter stage fed 16 rows × 2,048 tokens of width 1,024":
+                (ring * 50e6 * 4, 2 * 16 * 2048 * 1024 * 4),
             "a 100M-parameter stage fed 16 rows × 2,048 tokens of width 1,024":
                 (ring * 100e6 * 4, 2 * 16 * 2048 * 1024 * 4)}
 
