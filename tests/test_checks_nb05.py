@@ -157,6 +157,26 @@ def test_5_3_library_clip_is_withheld():
     fails(check_5_3, via_library, "computes the very answer", E53)
 
 
+def test_5_3_torch_clip_is_withheld():
+    """Averaged, then PyTorch's one-process clip over replica 0's whole gradient."""
+    def via_torch(grads, max_norm):
+        dp, pp = len(grads), len(grads[0])
+        keys = [(s, name) for s in range(pp) for name in grads[0][s]]
+        params = {}
+        for s, name in keys:
+            mean = sum(grads[d][s][name] for d in range(dp)) / dp
+            params[s, name] = torch.nn.Parameter(torch.zeros_like(mean))
+            params[s, name].grad = mean
+        norm = torch.nn.utils.clip_grad_norm_(list(params.values()), max_norm)
+        for d in range(dp):
+            for s, name in keys:
+                grads[d][s][name] = params[s, name].grad.clone()
+        return norm
+
+    fails(check_5_3, via_torch, "whole model's norm in one process", E53)
+    assert torch.nn.utils.clip_grad_norm_.__module__ == "torch.nn.utils.clip_grad"  # restored
+
+
 # -- the placement cost model of exercise 5.1 --------------------------------------------------
 
 TWO_BY_TWO = Cluster(machines=2, gpus=2, fast=100.0, slow=10.0)
