@@ -35,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench_distributed, beside this
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # the published rows
+
 
 from pipeline_lib.plan import CLUSTERS, Cluster, Layout, Model, predict, search  # noqa: E402
 from pipeline_lib.plan.model import layers_per_chunk  # noqa: E402
@@ -43,7 +43,7 @@ from pipeline_lib.plan.search import differences  # noqa: E402
 
 
 def bench_search(repeats: int) -> None:
-    from test_plan import RUNS   # the published rows, with their citations
+    from pipeline_lib.plan.published import RUNS   # with their citations
     rows = []
     for run in RUNS:
         if run.cluster_name != "A100-80GB":

@@ -6,19 +6,24 @@ masks. So each (stage, micro-batch) draws from its own stream, seeded from (step
 stage, micro-batch): masks are identical across schedules, checkpoint modes, thread
 timings and both executors.
 
-`microbatch_rng` sees every kernel the block runs and hands those PyTorch tags as random
-the stream's generator: threads draw at once, without a lock, what the process-wide
-generator would draw in the same state. A random kernel that takes no generator (CUDA's
-fused dropout, ``torch.rand``) runs with the stream swapped into the process-wide
-generator, under a lock held for that kernel only. `owned_rng`, for a process whose
-stages share one thread, seeds and restores the process-wide generators instead.
+Two mechanisms give a block its stream, drawing the same numbers (`streams_for` picks):
+
+* `owned_rng`, where one thread runs every stage (one process per rank, or a schedule
+  with one rank): it seeds the process-wide generators and restores them after the
+  block. It costs two state copies per (stage, micro-batch) and nothing per kernel.
+* `microbatch_rng`, where stage threads draw at once: it sees every kernel the block runs
+  (a dispatch mode, a Python call per aten op) and hands those PyTorch tags as random
+  the stream's generator: threads draw at once, without a lock, what the process-wide
+  generator would draw in the same state. A random kernel that takes no generator
+  (CUDA's fused dropout, ``torch.rand``) runs with the stream swapped into the
+  process-wide generator, under a lock held for that kernel only.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import threading
-from typing import Iterator
+from typing import Callable, ContextManager, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -107,3 +112,12 @@ def owned_rng(seed: int, device: torch.device | str = "cpu") -> Iterator[None]:
     finally:
         for g, state in zip(generators, saved):
             g.set_state(state)
+
+
+def streams_for(threads: int) -> Callable[[int, torch.device], ContextManager[None]]:
+    """The cheaper mechanism that keeps the streams apart when ``threads`` stage threads
+    draw at the same time: `owned_rng` for one (no other thread of the pipeline draws
+    while it holds the process-wide generators; a thread of the caller's own that draws
+    random numbers during a step would, and would then shift the step's masks),
+    `microbatch_rng` for several."""
+    return owned_rng if threads == 1 else microbatch_rng

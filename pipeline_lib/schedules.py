@@ -7,7 +7,8 @@ draws is exactly what runs.
 Vocabulary
 ----------
 * A *stage* is a contiguous slice of the model. A rank (device) may hold several stages
-  (*chunks*): looped schedules put stage ``s`` on rank ``s % ranks`` (interleaved 1F1B);
+  (*virtual stages*, ``virtual_stages`` per rank; PyTorch and Megatron call them model
+  chunks): looped schedules put stage ``s`` on rank ``s % ranks`` (interleaved 1F1B);
   V-shaped ones go down the ranks and back up, stage ``s`` on rank ``s`` for ``s < ranks``
   and on rank ``2·ranks - 1 - s`` after (ZB-V, DualPipeV). `Schedule.rank_of` says which.
 * An *action* is one unit of work of one micro-batch on one stage:
@@ -25,6 +26,8 @@ import itertools
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import AbstractSet, Callable, Iterator, Literal, NamedTuple, Sequence
+
+from pipeline_lib.deprecation import renamed_keywords
 
 Kind = Literal["F", "B", "I", "W"]
 KINDS = ("F", "B", "I", "W")
@@ -100,13 +103,14 @@ def _check_sizes(ranks: int, microbatches: int) -> None:
                          f"microbatches={microbatches}")
 
 
-def gpipe(stages: int, microbatches: int) -> Schedule:
+@renamed_keywords(stages="ranks")
+def gpipe(ranks: int, microbatches: int) -> Schedule:
     """Fill-drain: every forward, then every backward. Simple, holds all m activations."""
-    _check_sizes(stages, microbatches)
+    _check_sizes(ranks, microbatches)
     m = range(microbatches)
     actions = [[Action(s, "F", i) for i in m] + [Action(s, "B", i) for i in m]
-               for s in range(stages)]
-    return Schedule("GPipe", stages, microbatches, actions)
+               for s in range(ranks)]
+    return Schedule("GPipe", ranks, microbatches, actions)
 
 
 Unit = tuple[int, int]   # (stage, micro-batch)
@@ -140,20 +144,22 @@ def one_forward_one_backward(forwards: Sequence[Unit], backwards: Sequence[Unit]
     return program
 
 
-def one_f_one_b(stages: int, microbatches: int) -> Schedule:
+@renamed_keywords(stages="ranks")
+def one_f_one_b(ranks: int, microbatches: int) -> Schedule:
     """1F1B: after a short warm-up each rank alternates one forward and one backward.
 
-    Same bubble as GPipe, but stage ``s`` never holds more than ``min(stages - s, m)``
+    Same bubble as GPipe, but stage ``s`` never holds more than ``min(ranks - s, m)``
     micro-batches' activations instead of all ``m``.
     """
-    _check_sizes(stages, microbatches)
-    p, m = stages, microbatches
+    _check_sizes(ranks, microbatches)
+    p, m = ranks, microbatches
     mine = [[(s, i) for i in range(m)] for s in range(p)]
     return Schedule("1F1B", p, m, [one_forward_one_backward(mine[s], mine[s], ahead=p - s)
                                    for s in range(p)])
 
 
-def zb_h1(stages: int, microbatches: int) -> Schedule:
+@renamed_keywords(stages="ranks")
+def zb_h1(ranks: int, microbatches: int) -> Schedule:
     """Zero-bubble H1 (Qi et al., 2023): 1F1B with each backward split into ``I`` (input
     gradient, which the previous stage waits for) and ``W`` (weight gradient, which
     nobody waits for).
@@ -163,14 +169,15 @@ def zb_h1(stages: int, microbatches: int) -> Schedule:
     bubble falls from 1F1B's (p-1)·3F to (p-1)·F. Every stage then holds up to ``p``
     micro-batches, which is 1F1B's peak (on stage 0): the same peak memory.
     """
-    _check_sizes(stages, microbatches)
-    p, m = stages, microbatches
+    _check_sizes(ranks, microbatches)
+    p, m = ranks, microbatches
     mine = [[(s, i) for i in range(m)] for s in range(p)]
     return Schedule("ZB-H1", p, m, [one_forward_one_backward(mine[s], mine[s], ahead=p - s,
                                                              weight_lag=s) for s in range(p)])
 
 
-def zb_h2(stages: int, microbatches: int) -> Schedule:
+@renamed_keywords(stages="ranks")
+def zb_h2(ranks: int, microbatches: int) -> Schedule:
     """Zero-bubble H2 (Qi et al., 2023): ZB-H1 with more forwards in flight.
 
     Stage ``s`` runs ``2(p - s) - 1`` forwards before its first I (1F1B: ``p - s``): enough
@@ -179,15 +186,15 @@ def zb_h2(stages: int, microbatches: int) -> Schedule:
     one step apart: no rank idles between its first and last action (a parallelogram),
     at a price of ``2p - 1`` micro-batches of activations on every stage.
     """
-    _check_sizes(stages, microbatches)
-    p, m = stages, microbatches
+    _check_sizes(ranks, microbatches)
+    p, m = ranks, microbatches
     mine = [[(s, i) for i in range(m)] for s in range(p)]
     return Schedule("ZB-H2", p, m, [one_forward_one_backward(
         mine[s], mine[s], ahead=2 * (p - s) - 1, weight_lag=2 * s) for s in range(p)])
 
 
 def rounds(ranks: int, microbatches: int) -> list[range]:
-    """Groups of consecutive micro-batches that go through all of a rank's chunks together
+    """Groups of consecutive micro-batches that go through all of a rank's virtual stages together
     (interleaved schedules). As in PyTorch, ``max(1, m // p)`` groups, each at least ``p``
     (one per rank, so the pipeline fills) unless ``m < p``; where PyTorch refuses an ``m``
     that the groups do not divide, the first ``m % groups`` groups take one more."""
@@ -201,8 +208,8 @@ def _looped(name: str, ranks: int, microbatches: int, virtual_stages: int,
             ahead: Callable[[int, int], int], weight_lag: Callable[[int], int] | None = None,
             in_rounds: bool = True) -> Schedule:
     """A looped schedule: rank ``r`` holds stages ``r, r + p, r + 2p, ...``. Its forwards go
-    round by round (`rounds`, or all m at once), chunk after chunk; its backwards the same,
-    chunks in reverse. ``ahead(r, first round's size)`` and ``weight_lag(r)`` as in
+    round by round (`rounds`, or all m at once), virtual stage after virtual stage; its
+    backwards the same, in reverse. ``ahead(r, first round's size)`` and ``weight_lag(r)`` as in
     `one_forward_one_backward`."""
     _check_sizes(ranks, microbatches)
     p, m, v = ranks, microbatches, virtual_stages
@@ -219,38 +226,42 @@ def _looped(name: str, ranks: int, microbatches: int, virtual_stages: int,
     return Schedule(f"{name} (v={v})", p, m, actions, virtual_stages=v)
 
 
-def interleaved_1f1b(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
-    """Megatron's interleaved 1F1B: each of ``stages`` ranks holds ``virtual_stages``
-    model chunks (stage ``c * stages + r`` on rank ``r``), so a micro-batch visits every
-    rank ``virtual_stages`` times in smaller steps and the fill/drain bubble shrinks by
-    that factor.
+@renamed_keywords(stages="ranks")
+def interleaved_1f1b(ranks: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
+    """Megatron's interleaved 1F1B: each of ``ranks`` ranks holds ``virtual_stages``
+    stages (Megatron's model chunks; stage ``c * ranks + r`` on rank ``r``), so a
+    micro-batch visits every rank ``virtual_stages`` times in smaller steps and the
+    fill/drain bubble shrinks by that factor.
 
-    Micro-batches go through in `rounds` of at least ``stages`` (any ``m`` works; a round
-    of ``g`` micro-batches runs on chunk 0, then chunk 1...). Rank ``r`` runs the whole
-    first round through all but its last chunk, and ``2(p - 1 - r)`` forwards more, before
+    Micro-batches go through in `rounds` of at least ``ranks`` (any ``m`` works; a round
+    of ``g`` micro-batches runs on virtual stage 0, then 1...). Rank ``r`` runs the whole
+    first round through all but its last virtual stage, and ``2(p - 1 - r)`` forwards more, before
     its first backward: that is when the first gradient can be back.
     """
-    p, v = stages, virtual_stages
+    p, v = ranks, virtual_stages
     return _looped("Interleaved 1F1B", p, microbatches, v,
                    ahead=lambda r, g: (v - 1) * g + 2 * (p - 1 - r) + 1)
 
 
-def interleaved_zero_bubble(stages: int, microbatches: int,
+@renamed_keywords(stages="ranks")
+def interleaved_zero_bubble(ranks: int, microbatches: int,
                             virtual_stages: int = 2) -> Schedule:
     """Interleaved 1F1B with split backwards, as PyTorch's ScheduleInterleavedZeroBubble:
     an I returns sooner than a B, so rank ``r`` keeps only ``p - 1 - r`` extra forwards in
     flight (not ``2(p - 1 - r)``), and runs each W ``r`` backwards late, in the gaps."""
-    p, v = stages, virtual_stages
+    p, v = ranks, virtual_stages
     return _looped("Interleaved zero bubble", p, microbatches, v,
                    ahead=lambda r, g: (v - 1) * g + (p - 1 - r) + 1, weight_lag=lambda r: r)
 
 
-def looped_bfs(stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
+@renamed_keywords(stages="ranks")
+def looped_bfs(ranks: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
     """Breadth-first looped schedule (Lamy-Poirier, 2022): each rank runs all micro-batches
-    through its first chunk, then its second..., then all backwards, last chunk first.
-    GPipe on a loop: the fill costs a chunk, not a stage, but all m stay in flight.
-    (PyTorch's runs each chunk's backwards last micro-batch first: the same times.)"""
-    return _looped("Looped BFS", stages, microbatches, virtual_stages,
+    through its first virtual stage, then its second..., then all backwards, last first.
+    GPipe on a loop: the fill costs a virtual stage, not a rank's stages, but all m stay
+    in flight. (PyTorch's runs each virtual stage's backwards last micro-batch first: the
+    same times.)"""
+    return _looped("Looped BFS", ranks, microbatches, virtual_stages,
                    ahead=lambda r, g: microbatches * virtual_stages, in_rounds=False)
 
 
@@ -296,12 +307,13 @@ def _first(programs: list[list[Action]], microbatches: int) -> list[list[Action]
 
 
 def zb_v(ranks: int, microbatches: int) -> Schedule:
-    """ZB-V (Qi et al., 2024): split backwards on two chunks per rank in a V (`v_shape`).
+    """ZB-V (Qi et al., 2024): split backwards, two virtual stages per rank in a V
+    (`v_shape`).
 
     Rank ``r`` holds stage ``r`` on the way down and ``2p - 1 - r`` on the way up. The
-    turn at the bottom is free (rank ``p - 1`` holds both stages), and the up-chunk's
+    turn at the bottom is free (rank ``p - 1`` holds both stages), and the way up's
     gradients start back as soon as the forwards reach the bottom: with F = I = W per
-    chunk and m >= 2p - 1, no rank idles between its first and last action, at 1F1B's
+    virtual stage and m >= 2p - 1, no rank idles between its first and last action, at 1F1B's
     peak of ``p`` micro-batches of a whole stage (``2p`` of half a stage).
     """
     _check_sizes(ranks, microbatches)
@@ -313,7 +325,7 @@ def zb_v(ranks: int, microbatches: int) -> Schedule:
         prog = _Program()
         for _ in range(2 * (p - r) - 1):                     # fill the way down
             prog.add(down, "F")
-        for _ in range(r):                                   # both chunks, forward
+        for _ in range(r):                                   # both virtual stages, forward
             prog.add(up, "F")
             prog.add(down, "F")
         for _ in range(p - r):                               # first gradients on the way up
@@ -336,9 +348,9 @@ def zb_v(ranks: int, microbatches: int) -> Schedule:
 
 
 def dualpipe_v(ranks: int, microbatches: int) -> Schedule:
-    """DualPipeV (DeepSeek-V3, 2024): DualPipe cut in half, two chunks per rank in a V.
+    """DualPipeV (DeepSeek-V3, 2024): DualPipe cut in half, two virtual stages per rank in a V.
 
-    The steady state pairs a forward of one chunk with a full backward of the other
+    The steady state pairs a forward of one virtual stage with a full backward of the other
     (``F&B``); DeepSeek overlaps the two so that one's communication hides under the
     other's compute. Our executors run one action at a time, so a pair is an F, then a B.
     The start fills the V with split backwards (I, then the W at once); the end splits the
@@ -353,7 +365,7 @@ def dualpipe_v(ranks: int, microbatches: int) -> Schedule:
         prog = _Program()
         for _ in range(2 * (p - 1 - r)):                     # 1: fill the way down
             prog.add(down, "F")
-        for _ in range(r + 1):                               # 2: both chunks, forward
+        for _ in range(r + 1):                               # 2: both virtual stages, forward
             prog.add(down, "F")
             prog.add(up, "F")
         for _ in range(p - 1 - r):                           # 3: zero-bubble turn
@@ -396,19 +408,20 @@ BUILDERS: dict[str, Callable[..., Schedule]] = {
     "zb_v": zb_v,
     "dualpipe_v": dualpipe_v,
 }
-LOOPED = ("interleaved_1f1b", "interleaved_zero_bubble", "looped_bfs")   # any v chunks
-V_SHAPED = ("zb_v", "dualpipe_v")                                          # 2 chunks
+LOOPED = ("interleaved_1f1b", "interleaved_zero_bubble", "looped_bfs")   # any v per rank
+V_SHAPED = ("zb_v", "dualpipe_v")                                          # 2 per rank
 
 
-def build(name: str, stages: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
-    """Look a schedule up by name, as used by `Pipe.step` and the command line.
-    ``stages`` is the number of ranks; looped schedules put ``virtual_stages`` on each."""
+@renamed_keywords(stages="ranks")
+def build(name: str, ranks: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
+    """Look a schedule up by name, as used by `Pipe.step` and the command line, for
+    ``ranks`` ranks; looped schedules put ``virtual_stages`` stages on each."""
     if name not in BUILDERS:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(BUILDERS)} "
                          f"or pass a Schedule object")
     if name in LOOPED:
-        return BUILDERS[name](stages, microbatches, virtual_stages)
-    return BUILDERS[name](stages, microbatches)
+        return BUILDERS[name](ranks, microbatches, virtual_stages)
+    return BUILDERS[name](ranks, microbatches)
 
 
 def stages_per_rank(name: str, virtual_stages: int = 2) -> int:
@@ -420,7 +433,7 @@ def stages_per_rank(name: str, virtual_stages: int = 2) -> int:
 
 def ranks_for(name: str, stages: int) -> int:
     """How many ranks ``stages`` stages take under the named schedule when nothing else
-    says (as in `Pipe.step`): one stage per rank, or two where it runs several."""
+    says (`plan` without ``ranks``): one stage per rank, or two where it runs several."""
     per_rank = stages_per_rank(name)
     if stages % per_rank:
         raise ValueError(f"{name} puts {per_rank} stages on each device, so it needs an "
@@ -428,29 +441,35 @@ def ranks_for(name: str, stages: int) -> int:
     return stages // per_rank
 
 
-def plan(schedule: str | Schedule, pp: int, stages: int, microbatches: int) -> Schedule:
-    """The schedule for ``stages`` stages on ``pp`` ranks: built by name (looped schedules
-    put ``stages // pp`` on each rank, V-shaped ones 2), or checked against the sizes."""
+@renamed_keywords(pp="ranks")
+def plan(schedule: str | Schedule, ranks: int | None, stages: int,
+         microbatches: int) -> Schedule:
+    """The schedule for ``stages`` stages on ``ranks`` ranks: built by name (looped
+    schedules put ``stages // ranks`` on each rank, V-shaped ones 2), or checked against
+    the sizes. ``ranks=None``: as many as the schedule says (a `Schedule`'s own, or
+    `ranks_for` the name)."""
+    if ranks is None:
+        ranks = schedule.ranks if isinstance(schedule, Schedule) else ranks_for(schedule, stages)
     if isinstance(schedule, str):
-        if schedule in LOOPED and stages % pp:
+        if schedule in LOOPED and stages % ranks:
             raise ValueError(f"{schedule} puts the same number of stages on every "
-                             f"rank: {stages} stages on {pp} ranks do not divide; give a "
-                             f"balance with a multiple of {pp} entries")
-        per_rank = stages // pp if schedule in LOOPED else stages_per_rank(schedule)
-        if schedule in BUILDERS and stages != pp * per_rank:
+                             f"rank: {stages} stages on {ranks} ranks do not divide; give a "
+                             f"balance with a multiple of {ranks} entries")
+        per_rank = stages // ranks if schedule in LOOPED else stages_per_rank(schedule)
+        if schedule in BUILDERS and stages != ranks * per_rank:
             several = "" if per_rank > 1 else \
                 f" (or use one of {list(LOOPED + V_SHAPED)} for several stages per rank)"
             raise ValueError(f"{schedule} runs {per_rank} stage(s) per rank: the balance "
-                             f"has {stages} stages for {pp} pipeline ranks; give "
-                             f"{pp * per_rank} entries{several}")
-        schedule = build(schedule, pp, microbatches, per_rank)
+                             f"has {stages} stages for {ranks} pipeline ranks; give "
+                             f"{ranks * per_rank} entries{several}")
+        schedule = build(schedule, ranks, microbatches, per_rank)
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a name in {sorted(BUILDERS)} or a Schedule, "
                         f"got {type(schedule).__name__}")
-    if (schedule.ranks, schedule.stages, schedule.microbatches) != (pp, stages, microbatches):
+    if (schedule.ranks, schedule.stages, schedule.microbatches) != (ranks, stages, microbatches):
         raise ValueError(f"schedule {schedule.name!r} is for {schedule.ranks} ranks, "
                          f"{schedule.stages} stages and {schedule.microbatches} micro-batches, "
-                         f"not {pp} ranks, {stages} stages and {microbatches} micro-batches")
+                         f"not {ranks} ranks, {stages} stages and {microbatches} micro-batches")
     validate(schedule)
     return schedule
 

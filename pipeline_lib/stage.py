@@ -1,8 +1,9 @@
 """What one stage does for each action, independent of how activations travel.
 
 Both executors (threads in one process, one process per rank) drive a `StageRunner` per
-stage and only differ in how they move its inputs and outputs; the classic ``pipe(x)``
-drives the same runners, wired into autograd. A stage's input arrives detached from the
+stage from the same loop, `executor.run_program`, and only differ in how they move its
+inputs and outputs (their `executor.Transport`); the classic ``pipe(x)`` runs the same
+loop over the same runners, wired into autograd. A stage's input arrives detached from the
 previous stage's graph, as a leaf that requires grad: its ``.grad`` after the backward is
 exactly what the previous stage needs. The stage graphs are thus separate and each
 backward is an explicit call, which is what lets a schedule order them.
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 
 from pipeline_lib import split_backward, tree
 from pipeline_lib.checkpoint import checkpointed, checkpointing, recomputing
+from pipeline_lib.deprecation import renamed_keywords
 from pipeline_lib.loss import MicroLoss, micro_loss
 from pipeline_lib.rng import microbatch_rng, seed_for
 from pipeline_lib.skip import SkipKey, SkipTracker, describe, use_tracker
@@ -76,8 +78,9 @@ class StageRunner:
     ``(that value, count or None)``, detached.
 
     ``rng`` gives each micro-batch its random stream (`rng.microbatch_rng`, or
-    `rng.owned_rng` where one thread runs every stage of the process). ``first``: the
-    input comes from the caller (not from another stage) and is used as it is.
+    `rng.owned_rng` where one thread runs every stage of the process). ``input_as_given``:
+    the input comes from the caller (not from another stage) and is used as it is: not
+    detached, and no gradient is computed for it (``first`` is its deprecated name).
 
     Skip connections (see `skip`) travel beside the activations: ``forward(..., skips=)``
     takes the tensors this stage pops that earlier stages stashed, and `take_stashed`
@@ -87,13 +90,15 @@ class StageRunner:
     stays empty.
     """
 
+    @renamed_keywords(first="input_as_given")
     def __init__(self, stage: int, module: nn.Module, device: torch.device,
                  checkpoint: str, microbatches: int, step_seed: int,
                  loss_fn: LossFn | None = None, loss_weights: list[float] | None = None,
-                 first: bool = False, rng: RandomStream = microbatch_rng):
+                 input_as_given: bool = False, rng: RandomStream = microbatch_rng):
         self.stage, self.module, self.device = stage, module, device
         self.checkpoint, self.microbatches, self.step_seed = checkpoint, microbatches, step_seed
-        self.loss_fn, self.loss_weights, self.first = loss_fn, loss_weights, first
+        self.loss_fn, self.loss_weights = loss_fn, loss_weights
+        self.input_as_given = input_as_given
         self.rng = rng
         self.inputs: dict[int, Any] = {}
         self.targets: dict[int, Any] = {}
@@ -127,7 +132,7 @@ class StageRunner:
                 skips: Mapping[SkipKey, Tensor] | None = None) -> Any:
         """Run the forward; return what goes to the next stage (the weighted loss on the
         last stage), detached."""
-        self.inputs[microbatch] = inputs if self.first else detach_as_leaf(inputs)
+        self.inputs[microbatch] = inputs if self.input_as_given else detach_as_leaf(inputs)
         self.skips_in[microbatch] = {key: detach_as_leaf(t) for key, t in (skips or {}).items()}
         if self.last:
             self.targets[microbatch] = target
@@ -200,14 +205,14 @@ class StageRunner:
         popped = self.skips_in.pop(microbatch)
         if popped:
             self.skip_grads_out[microbatch] = {key: skip_grads.get(key) for key in popped}
-        if self.first:
+        if self.input_as_given:
             return None
         it = iter(grads)
         return tree.map_leaves(
             lambda v: next(it) if isinstance(v, Tensor) and v.requires_grad else None, inputs)
 
     def _leaves(self, microbatch: int) -> list[Tensor]:
-        return [] if self.first else [t for t in tree.tensors(self.inputs[microbatch])
+        return [] if self.input_as_given else [t for t in tree.tensors(self.inputs[microbatch])
                                       if t.requires_grad]
 
     def backward(self, microbatch: int, grad: Any = None,

@@ -348,7 +348,29 @@ NEVER_SENDS_BODY = '''
 '''
 
 
-@pytest.mark.parametrize("body, says", [(SOLUTION_BODY, None),
+BATCHED_BODY = '''
+    from torch.distributed import P2POp, batch_isend_irecv, recv, send
+    def post(op, tensor, peer):
+        for work in batch_isend_irecv([P2POp(op, tensor, group_peer=peer)]):
+            work.wait()
+    if rank == 0:
+        activation = stage(x)
+        post(dist.isend, activation.detach(), 1)
+        grad = torch.empty_like(activation)
+        recv(grad, group_src=1)
+        activation.backward(grad)
+        return None
+    activation = torch.empty(4, 16)
+    post(dist.irecv, activation, 0)
+    activation.requires_grad_()
+    output = stage(activation)
+    nn.functional.mse_loss(output, target).backward()
+    send(activation.grad, group_dst=0)
+    return output.detach()
+'''
+
+
+@pytest.mark.parametrize("body, says", [(SOLUTION_BODY, None), (BATCHED_BODY, None),
                                         (NEVER_SENDS_BODY, "sent 0 messages")])
 def test_6_1_under_torchrun_counts_the_real_sends(tmp_path, monkeypatch, body, says):
     import os
@@ -380,3 +402,174 @@ def test_notebook_06_binds_no_name_to_the_reference_solution_before_its_check():
     bare = re.compile(r"(?<![\w.])pytorch_schedule\b")
     assert not [i for i, cell in enumerate(cells[:check])
                 if cell.cell_type == "code" and bare.search(cell.source)]
+
+
+# -- A second reader's answers: right ones written another way must pass, wrong ones fail --
+
+def run_stage_imported_names(rank, stage, x, target):
+    """The solution with ``from torch.distributed import send, recv``: names of the
+    learner's own, which the check must reach as it reaches ``dist.send``."""
+    from torch.distributed import recv, send
+    if rank == 0:
+        activation = stage(x)
+        send(activation.detach(), dst=1)
+        grad = torch.empty_like(activation)
+        recv(grad, src=1)
+        activation.backward(grad)
+        return None
+    activation = torch.empty(ROWS, HIDDEN)
+    recv(activation, src=0)
+    activation.requires_grad_()
+    output = stage(activation)
+    nn.functional.mse_loss(output, target).backward()
+    send(activation.grad, dst=0)
+    return output.detach()
+
+
+def run_stage_batched(rank, stage, x, target):
+    """The solution with ``batch_isend_irecv`` and ``group_src``/``group_dst``, as
+    PyTorch's own stages post their messages."""
+    def post(op, tensor, peer):
+        for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, group_peer=peer)]):
+            work.wait()
+    if rank == 0:
+        activation = stage(x)
+        post(dist.isend, activation.detach(), 1)
+        grad = torch.empty_like(activation)
+        dist.recv(grad, group_src=1)
+        activation.backward(grad)
+        return None
+    activation = torch.empty(ROWS, HIDDEN)
+    post(dist.irecv, activation, 0)
+    activation.requires_grad_()
+    output = stage(activation)
+    nn.functional.mse_loss(output, target).backward()
+    dist.send(activation.grad, group_dst=0)
+    return output.detach()
+
+
+def summed_loss(rank, stage, x, target):
+    """MSE summed instead of averaged: every gradient 32 times too large."""
+    if rank == 0:
+        return run_stage(rank, stage, x, target)
+    activation = torch.empty(ROWS, HIDDEN)
+    dist.recv(activation, src=0)
+    activation.requires_grad_()
+    output = stage(activation)
+    nn.functional.mse_loss(output, target, reduction="sum").backward()
+    dist.send(activation.grad, dst=0)
+    return output.detach()
+
+
+def sends_activation_back(rank, stage, x, target):
+    """Rank 1 sends back the activation it received, not its gradient."""
+    if rank == 0:
+        return run_stage(rank, stage, x, target)
+    activation = torch.empty(ROWS, HIDDEN)
+    dist.recv(activation, src=0)
+    activation.requires_grad_()
+    output = stage(activation)
+    nn.functional.mse_loss(output, target).backward()
+    dist.send(activation.detach(), dst=0)
+    return output.detach()
+
+
+def forgets_the_output(rank, stage, x, target):
+    result = run_stage(rank, stage, x, target)
+    return None if rank == 1 else result
+
+
+@pytest.mark.parametrize("answer", [run_stage_imported_names, run_stage_batched])
+def test_6_1_right_answers_written_otherwise_pass(answer):
+    before = dist.send, dist.recv, dist.isend, dist.irecv, dist.P2POp
+    nb06.check_send_recv(answer)
+    assert (dist.send, dist.recv, dist.isend, dist.irecv, dist.P2POp) == before
+
+
+@pytest.mark.parametrize("answer, says", [
+    (summed_loss, "32 times that gradient"),
+    (sends_activation_back, "not the gradient of the loss"),
+    (forgets_the_output, "rank 1 must return the output"),
+])
+def test_6_1_more_wrong_answers_fail(answer, says):
+    with pytest.raises(ExerciseFailed) as failed:
+        nb06.check_send_recv(answer)
+    assert says in str(failed.value)
+
+
+def fixed_virtual_stages(ops, microbatches, name="PyTorch"):
+    """Two stages per rank written in: right for every V-shaped schedule, not in general."""
+    actions = [[a for op in rank_ops if op is not None for a in compute(op)]
+               for rank_ops in ops]
+    where = {a.stage: rank for rank, program in enumerate(actions) for a in program}
+    return Schedule(name, len(actions), microbatches, actions, virtual_stages=2,
+                    placement=tuple(where[s] for s in range(2 * len(actions))))
+
+
+def asks_pytorch_again(ops, microbatches, name="PyTorch"):
+    """Ignores ``ops``: PyTorch's unlowered order for the schedule named ``name``."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    return from_lowered(get_schedule_ops(name, len(ops), microbatches, 2), microbatches,
+                        name)
+
+
+def test_6_2_fixed_virtual_stages_fails():
+    with pytest.raises(ExerciseFailed, match="4 stages per rank"):
+        nb06.check_from_lowered(fixed_virtual_stages)
+
+
+def test_6_2_an_answer_that_ignores_ops_fails():
+    """The check's ``name`` is a label, no schedule PyTorch knows: the notebook's
+    ``exercise`` turns the error into "your code raised ValueError: Unknown schedule"."""
+    with pytest.raises(ValueError, match="Unknown schedule name 'lowered Interleaved1F1B'"):
+        nb06.check_from_lowered(asks_pytorch_again)
+
+
+def data_groups_first_ranks_reversed(rank, pp, dp):
+    """Right: any one order of creation on every rank, ranks in any order in a group
+    (``new_group`` sorts them)."""
+    data_groups = [dist.new_group([d * pp + p for d in range(dp)]) for p in range(pp)]
+    pipeline_groups = [dist.new_group([d * pp + p for p in reversed(range(pp))])
+                       for d in range(dp)]
+    replica, pipe_rank = divmod(rank, pp)
+    return pipeline_groups[replica], data_groups[pipe_rank]
+
+
+def by_enumeration(rank, pp, dp):
+    """Right: PyTorch's ``new_subgroups_by_enumeration`` creates every group on every rank."""
+    pipe, _ = dist.new_subgroups_by_enumeration(
+        [[d * pp + p for p in range(pp)] for d in range(dp)])
+    data, _ = dist.new_subgroups_by_enumeration(
+        [[d * pp + p for d in range(dp)] for p in range(pp)])
+    return pipe, data
+
+
+def own_group_first(rank, pp, dp):
+    """Every group created, but the rank's own pipeline first: the order differs by rank."""
+    replica, pipe_rank = divmod(rank, pp)
+    mine = dist.new_group([replica * pp + p for p in range(pp)])
+    for d in range(dp):
+        if d != replica:
+            dist.new_group([d * pp + p for p in range(pp)])
+    data_groups = [dist.new_group([d * pp + p for d in range(dp)]) for p in range(pp)]
+    return mine, data_groups[pipe_rank]
+
+
+def world_group(rank, pp, dp):
+    group = dist.new_group()
+    return group, group
+
+
+@pytest.mark.parametrize("answer", [data_groups_first_ranks_reversed, by_enumeration])
+def test_6_3_right_answers_written_otherwise_pass(answer):
+    nb06.check_groups(answer)
+
+
+@pytest.mark.parametrize("answer, says", [
+    (own_group_first, "collective"),
+    (world_group, "got the pipeline group [0, 1, 2, 3]"),
+])
+def test_6_3_more_wrong_answers_fail(answer, says):
+    with pytest.raises(ExerciseFailed) as failed:
+        nb06.check_groups(answer)
+    assert says in str(failed.value)

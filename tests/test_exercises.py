@@ -273,7 +273,7 @@ FASTER_LAYOUT_SLIPS = {   # name: (the returned layout, what the message must sa
     "tensor parallel across nodes": ("replace(published, tp=16, pp=published.pp // 2)",
                                      "its tensor-parallel group leaves the node"),
     "all data parallel": ("replace(published, pp=1, dp=published.dp * published.pp)",
-                          "more than the 80 GB there is"),
+                          "more than the 80 GiB there is"),
     "twice the GPUs": ("replace(published, dp=2 * published.dp)", "the published run has"),
     "the planner's search": ("search(model, cluster, published.gpus, "
                              "published.global_batch).best.layout", "calls `search`"),

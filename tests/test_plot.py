@@ -97,12 +97,12 @@ def test_stages_are_left_out_where_two_lines_do_not_fit():
     assert flat and not any(t.startswith("s") for t in flat)
 
 
-def test_later_chunks_are_hatched_the_first_not():
+def test_later_virtual_stages_are_hatched_the_first_not():
     ax = gantt(simulate(interleaved_1f1b(2, 4, 2)), ax=axes(width=30))
     hatches = [c.get_hatch() for c in action_collections(ax)]
-    assert hatches == [None, "///"] * 2                     # per rank: chunk 1, chunk 2
+    assert hatches == [None, "///"] * 2          # per rank: virtual stage 1, virtual stage 2
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert "chunk 2 of a rank" in legend
+    assert "virtual stage 2 of a rank" in legend
     assert gantt(simulate(gpipe(2, 2)), ax=axes()).collections[1].get_hatch() is None
 
 

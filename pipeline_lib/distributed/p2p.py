@@ -266,8 +266,11 @@ class PostedEarly(Transport):
             raise ProtocolError(
                 f"rank {self.mesh.rank}: {message} is {_described(header)} in this step but "
                 f"was {_described(self.headers[message])} in the last one, although the "
-                f"batch's shapes are the same: a stage whose output shape depends on the "
-                f"values of its input cannot send it to another process")
+                f"batch's shapes are the same. With post_early=True, a receive is posted "
+                f"before its message at the size the last step's batch of these shapes "
+                f"gave; a stage whose output shape depends on its input's values (not only "
+                f"on its shape) needs DistributedPipe(..., post_early=False), which reads "
+                f"every message's size from its header first")
         self.headers[message] = header
 
     def _check(self, header: list[int], src: int, expected: Message,

@@ -2,17 +2,18 @@
 
 One process per pipeline rank. Rank ``r`` holds every stage ``s`` that the schedule places
 there (``schedule.rank_of(s) == r``: ``s % pp`` for looped schedules, a V for ZB-V and
-DualPipeV) and runs ``schedule.actions[r]`` in order, driving a
-`StageRunner` per stage exactly as the threaded `Pipe.step` does: same loss scaling
-(`pipeline_lib.loss`), same dropout seeds per (stage, micro-batch). Only the way
-activations and gradients travel differs, and that is the lesson of this module.
+DualPipeV) and runs ``schedule.actions[r]`` with the loop the threaded `Pipe.step`
+runs, `executor.run_program`, around which `pipeline_lib.step` does the same split, loss
+scaling and gradient commit, with the same dropout seeds per (stage, micro-batch). Only
+the way activations and gradients travel differs (`PointToPoint`, the transport), and
+that is the lesson of this module.
 
 Every process runs the same script under torchrun (``torchrun --nproc_per_node 4 -m
 pipeline_lib.lm.train --pp 2 --dp 2`` trains the Transformer LM)::
 
     with process_group():                       # see `pipeline_lib.distributed.job`
         mesh = init_mesh(pp=2, dp=2)
-        pipe = DistributedPipe(build_model(), mesh, balance=[5, 5], chunks=8)
+        pipe = DistributedPipe(build_model(), mesh, balance=[5, 5], microbatches=8)
         optimizer = torch.optim.AdamW(pipe.parameters())
         for inputs, targets in batches:         # the same global batches on every rank
             optimizer.zero_grad()
@@ -109,7 +110,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-from typing import Any, Iterator, NoReturn, Sequence
+from typing import Any, ContextManager, Iterator, Mapping, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -117,18 +118,22 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline_lib import tree
+from pipeline_lib.batchnorm import DeferredBatchNorm
 from pipeline_lib.checkpoint import check_mode
-from pipeline_lib.devices import transfer
+from pipeline_lib.deprecation import renamed_keywords
+from pipeline_lib.devices import WithDevice
 from pipeline_lib.distributed.mesh import Mesh, check_same_everywhere
-from pipeline_lib.loss import StepGradients, check_count, check_grad_mode, total_count
-from pipeline_lib.microbatch import NoChunk, check_rows, loss_weights, split
-from pipeline_lib.partition import group_layers
 from pipeline_lib.distributed.p2p import (Message, PostedEarly, Transport, batch_key,
                                           describe_tensors)
+from pipeline_lib.executor import Received, Stopwatch, run_program
+from pipeline_lib.loss import check_count, check_grad_mode
+from pipeline_lib.microbatch import NoChunk
+from pipeline_lib.partition import group_layers
 from pipeline_lib.rng import new_step_seed, owned_rng, seed_for
 from pipeline_lib.schedules import Action, Schedule, plan
 from pipeline_lib.skip import skip_routes
 from pipeline_lib.stage import LossFn, StageRunner
+from pipeline_lib.step import local_loss, make_runners, split_batch, train_step
 from pipeline_lib.timeline import Event, Timeline
 
 
@@ -141,20 +146,20 @@ class DistributedPipe:
     `schedules.BUILDERS` or a `Schedule` for ``mesh.pp`` ranks. ``post_early=False``
     sends every message as `p2p.Transport` does, header then tensors, each waiting for its
     receive: simpler to follow, slower for small stages (`p2p.PostedEarly` is the speed-up).
+    What ``post_early=True`` asks in return: from the second step on, a batch with the
+    shapes of the step before must give every message the shape that step's gave, which holds unless a stage's output shape depends on its input's values (a
+    layer that drops padding tokens, say); such a stage raises `p2p.ProtocolError`
+    saying so, and runs with ``post_early=False``.
     """
 
+    @renamed_keywords(chunks="microbatches")
     def __init__(self, module: nn.Sequential, mesh: Mesh, balance: Sequence[int],
-                 chunks: int, schedule: str | Schedule = "1f1b", checkpoint: str = "never",
-                 post_early: bool = True):
+                 microbatches: int, schedule: str | Schedule = "1f1b",
+                 checkpoint: str = "never", post_early: bool = True):
         stages = group_layers(module, balance)
-        layer_stage = [s for s, count in enumerate(balance) for _ in range(count)]
-        crossing = skip_routes(module, layer_stage)
-        if crossing:
-            raise NotImplementedError(
-                f"skip connections between stages ({crossing}) are not sent between "
-                f"processes yet; choose a balance that keeps each within one stage, or use Pipe")
+        check_runs_in_processes(module, balance)
         self.mesh, self.checkpoint = mesh, check_mode(checkpoint)
-        self.schedule = plan(schedule, mesh.pp, len(stages), chunks)
+        self.schedule = plan(schedule, mesh.pp, len(stages), microbatches)
         check_same_everywhere("pipelines", dict(
             schedule=self.schedule.name, grid=self.schedule.grid(), pp=mesh.pp, dp=mesh.dp,
             balance=list(balance), checkpoint=checkpoint, post_early=post_early))
@@ -169,6 +174,7 @@ class DistributedPipe:
         self.sync_at = {a.stage: a for a in self.program if a.kind in ("B", "W")
                         and isinstance(self.modules[a.stage], DistributedDataParallel)}
         self.transport = (PostedEarly if post_early else Transport)(mesh, self.schedule)
+        self.link = PointToPoint(self.transport, self.schedule, mesh)
         self.events: list[Event] = []
 
     def _replicated(self, stage: nn.Module) -> nn.Module:
@@ -180,6 +186,12 @@ class DistributedPipe:
         return DistributedDataParallel(stage, device_ids=[self.mesh.device] if cuda else None,
                                        process_group=self.mesh.dp_group,
                                        forward_sync_buffers=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError(
+            "a DistributedPipe runs training steps, pipe.step(inputs, target, loss_fn); "
+            "pipe(x), a pipelined forward connected to autograd (the classic API), is the "
+            "threaded Pipe's (pipeline_lib.Pipe, one process)")
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters (for its optimizer), each once: a weight tied between
@@ -206,61 +218,29 @@ class DistributedPipe:
         check_grad_mode("DistributedPipe.step")
         schedule, mesh = self.schedule, self.mesh
         step_seed, key = self._agree(inputs, target)
-        micro_in, micro_target, weights = self._split(inputs, target)
+        micro_in, micro_target, weights = split_batch(inputs, target, schedule.microbatches,
+                                                      mesh.dp, mesh.replica)
         last = schedule.stages - 1
-        runners = {s: StageRunner(s, module, mesh.device, self.checkpoint,
-                                  schedule.microbatches, step_seed,
-                                  loss_fn=loss_fn if s == last else None,
-                                  loss_weights=weights, first=s == 0, rng=owned_rng)
-                   for s, module in self.modules.items()}
-        self.events = []
-        grads = StepGradients(self.parameters())
-        try:
+        runners = make_runners({s: (module, mesh.device) for s, module in self.modules.items()},
+                               last, self.checkpoint, schedule.microbatches, step_seed,
+                               loss_fn, weights, rng=owned_rng)
+
+        def run() -> tuple[Tensor | None, float]:
             self.transport.start_step(key)
-            self._run_program(runners, micro_in, micro_target)
-            self.transport.finish_step()
-            loss, scale = self._loss(runners.get(last))
-        except BaseException:
-            grads.discard()
-            raise
-        grads.commit(scale)
-        return loss
-
-    def _run_program(self, runners: dict[int, StageRunner], micro_in: list[Any],
-                     micro_target: list[Any]) -> None:
-        """This rank's actions, in order, with DDP's gradient sync off (see the module
-        docstring)."""
-        mesh = self.mesh
-        with contextlib.ExitStack() as no_sync:
-            for module in self.modules.values():
-                if isinstance(module, DistributedDataParallel):
-                    no_sync.enter_context(module.no_sync())
-            for action in self.program:
+            stopwatch = Stopwatch(mesh.rank, mesh.device, mesh.clock)
+            with contextlib.ExitStack() as no_sync:   # DDP: see the module docstring
+                for module in self.modules.values():
+                    if isinstance(module, DistributedDataParallel):
+                        no_sync.enter_context(module.no_sync())
                 try:
-                    received = self._receive(action, micro_in)
-                    start = mesh.clock()   # an event spans the compute: waiting is idle
-                    self._compute(action, runners[action.stage], received, micro_target)
-                except Exception as exc:
-                    exc.add_note(f"on rank {mesh.rank} (replica {mesh.replica}, pipe rank "
-                                 f"{mesh.pipe_rank}) running {action} of {self.schedule.name}")
-                    raise
-                if mesh.device.type == "cuda":   # time the work, not its launch
-                    torch.cuda.current_stream().synchronize()
-                self.events.append(Event(mesh.rank, action, start, mesh.clock()))
+                    run_program(self.program, runners, last, micro_in, micro_target,
+                                self.link, stopwatch, schedule.name, around=self._armed)
+                finally:
+                    self.events = stopwatch.events()
+            self.transport.finish_step()
+            return self._loss(runners.get(last))
 
-    def _split(self, inputs: Any, target: Any) -> tuple[list[Any], list[Any], list[float]]:
-        """This replica's micro-batches and their loss weights (see the module docstring)."""
-        dp, m, replica = self.mesh.dp, self.schedule.microbatches, self.mesh.replica
-        check_rows(inputs, target)
-        try:
-            replica_inputs, replica_targets = _among(inputs, dp), _among(target, dp)
-        except ValueError as exc:
-            exc.add_note(f"while splitting the global batch among {dp} data-parallel replicas")
-            raise
-        targets = [split(t, m) for t in replica_targets]
-        weights = loss_weights([t for replica_micro in targets for t in replica_micro])
-        mine = [w * dp for w in weights[replica * m:(replica + 1) * m]]
-        return split(replica_inputs[replica], m), targets[replica], mine
+        return train_step(self.parameters(), run)
 
     def _agree(self, inputs: Any, target: Any) -> tuple[int, int]:
         """The step's seed and `p2p.batch_key`, the same on every rank, after checking
@@ -301,49 +281,12 @@ class DistributedPipe:
                          f"a DistributedSampler that gives each rank its own rows is not "
                          f"what DistributedPipe needs)")
 
-    def _receive(self, action: Action, micro_in: list[Any]) -> Any:
-        """What the action consumes: its input (F) or output gradient (B, I)."""
-        s, i, last = action.stage, action.microbatch, self.schedule.stages - 1
-        if action.kind == "F":
-            if s == 0:
-                return transfer(micro_in[i], self.mesh.device)
-            return _unpacked(self.transport.receive(self.schedule.rank_of(s - 1),
-                                                    Message("activation", s, i)))
-        if action.kind in ("B", "I") and s < last:
-            return self.transport.receive(self.schedule.rank_of(s + 1), Message("gradient", s, i))
-        return None
-
-    def _compute(self, action: Action, runner: StageRunner, received: Any,
-                 micro_target: list[Any]) -> None:
-        """Run the action and send its result on."""
-        s, i, kind = action.stage, action.microbatch, action.kind
-        rank_of, last = self.schedule.rank_of, self.schedule.stages - 1
-        if kind == "F":
-            target = transfer(micro_target[i], self.mesh.device) if s == last else None
-            try:
-                y = runner.forward(i, received, target)
-            except Exception as exc:
-                if s > 0:
-                    exc.add_note(f"stage {s}'s input for micro-batch {i}, from stage {s - 1} "
-                                 f"on pipe rank {rank_of(s - 1)}, was "
-                                 f"{describe_tensors(received)}")
-                raise
-            if s < last:
-                self.transport.send(rank_of(s + 1), Message("activation", s + 1, i),
-                                    _packed(y, self.mesh.device))
-            return
-        armed = self.sync_at.get(s) == action   # this backward all-reduces the stage's grads
-        with self._all_reducing(s) if armed else contextlib.nullcontext():
-            if kind == "W":
-                runner.backward_weight(i)
-                return
-            backward = runner.backward if kind == "B" else runner.backward_input
-            grad_in = backward(i, received)
-        if s > 0:
-            # as the tuple of its leaves: stage s - 1 made the activation, so it knows the
-            # structure (see `StageRunner`)
-            self.transport.send(rank_of(s - 1), Message("gradient", s - 1, i),
-                                tuple(tree.leaves(grad_in)))
+    def _armed(self, action: Action) -> ContextManager[None]:
+        """The block an action's backward runs in: DDP's all-reduce armed for the stage's
+        last backward of the step (see the module docstring), nothing for the others."""
+        if self.sync_at.get(action.stage) == action:
+            return self._all_reducing(action.stage)
+        return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _all_reducing(self, stage: int) -> Iterator[None]:
@@ -383,8 +326,8 @@ class DistributedPipe:
         rank gives it to all. The factor is dp / total, since DDP averaged the replicas'
         sums."""
         mesh, m = self.mesh, self.schedule.microbatches
-        losses = [runner.losses[i] for i in range(m)] if runner is not None else []
-        count = total_count(losses) if losses else None
+        loss, count = local_loss([runner.losses[i] for i in range(m)]) if runner is not None \
+            else (None, None)
         agreed = torch.tensor([0.0 if count is None else count.item(), float(count is not None)],
                               dtype=torch.float64, device=mesh.device)
         dist.all_reduce(agreed)   # [total count, replicas whose loss_fn returned counts]
@@ -396,9 +339,8 @@ class DistributedPipe:
         if counted:
             check_count(total)
         scale = mesh.dp / total if counted else 1.0
-        if runner is None:
+        if loss is None:
             return None, scale
-        loss = torch.stack([value for value, _ in losses]).sum()
         if mesh.dp > 1:
             if not counted:   # undo the dp scaling of the weights
                 loss = loss / mesh.dp
@@ -421,6 +363,31 @@ class DistributedPipe:
         if self.mesh.dp > 1:
             title += f" × {self.mesh.dp} replicas"
         return Timeline(len(gathered), events, unit="s", title=title).shifted()
+
+
+def check_runs_in_processes(module: nn.Sequential, balance: Sequence[int]) -> None:
+    """Refuse, before any rank talks to another, what only the threaded `Pipe` runs:
+    skip connections between stages, `DeferredBatchNorm` and `WithDevice` layers. Each
+    message names `Pipe` (the README's feature table lists what runs where)."""
+    layer_stage = [s for s, count in enumerate(balance) for _ in range(count)]
+    crossing = skip_routes(module, layer_stage)
+    if crossing:
+        raise NotImplementedError(
+            f"skip connections between stages ({crossing}) are not sent between "
+            f"processes yet; choose a balance that keeps each within one stage, or use Pipe")
+    for name, layer in module.named_modules():
+        if isinstance(layer, DeferredBatchNorm):
+            raise NotImplementedError(
+                f"layer {name} is a DeferredBatchNorm, which the threaded Pipe runs "
+                f"(Pipe(..., deferred_batch_norm=True)) but DistributedPipe does not yet: "
+                f"its running statistics would be each replica's own, and a failed step's "
+                f"micro-batches would stay counted. Use Pipe, or nn.BatchNorm layers")
+        if isinstance(layer, WithDevice):
+            raise NotImplementedError(
+                f"layer {name} is a WithDevice({layer.device}), which places a stage on a "
+                f"device of one process, as the threaded Pipe does; DistributedPipe puts "
+                f"every stage of a rank on that rank's mesh.device. Unwrap it "
+                f"({name}.module), or use Pipe")
 
 
 def check_no_weight_shared_across_ranks(module: nn.Module, stages: Sequence[nn.Module],
@@ -471,13 +438,39 @@ def _shapes(batch: Any) -> tuple[Any, ...]:
                  for leaf in tree.leaves(batch))
 
 
-def _among(batch: Any, replicas: int) -> list[Any]:
-    """`microbatch.split` among replicas, keeping `NoChunk` tensors wrapped, so that the
-    second split (into micro-batches) also hands them whole to every micro-batch."""
-    kept = [isinstance(leaf, NoChunk) for leaf in tree.leaves(batch)]
-    return [tree.unflatten([NoChunk(leaf) if keep else leaf
-                            for leaf, keep in zip(tree.leaves(part), kept)], batch)
-            for part in split(batch, replicas)]
+class PointToPoint:
+    """The `executor.Transport` between processes: activations and gradients as
+    `p2p.Message`s to and from the neighbouring stages' ranks (``p2p`` moves them).
+    Skip connections never cross a process (`DistributedPipe` refuses them)."""
+
+    def __init__(self, transport: Transport, schedule: Schedule, mesh: Mesh):
+        self.transport, self.rank_of, self.mesh = transport, schedule.rank_of, mesh
+        self.last = schedule.stages - 1
+        self.where = f"rank {mesh.rank} (replica {mesh.replica}, pipe rank {mesh.pipe_rank})"
+
+    def receive(self, action: Action) -> Received:
+        s, i = action.stage, action.microbatch
+        if action.kind == "F" and s > 0:
+            message = Message("activation", s, i)
+            return _unpacked(self.transport.receive(self.rank_of(s - 1), message)), {}
+        if action.kind in ("B", "I") and s < self.last:
+            return self.transport.receive(self.rank_of(s + 1), Message("gradient", s, i)), {}
+        return None, {}
+
+    def send(self, action: Action, value: Any, skips: Mapping[Any, Any]) -> None:
+        s, i = action.stage, action.microbatch
+        if action.kind == "F":
+            self.transport.send(self.rank_of(s + 1), Message("activation", s + 1, i),
+                                _packed(value, self.mesh.device))
+        else:   # as the tuple of its leaves: stage s - 1 made the activation, so it
+            # knows the structure (see `StageRunner`)
+            self.transport.send(self.rank_of(s - 1), Message("gradient", s - 1, i),
+                                tuple(tree.leaves(value)))
+
+    def input_note(self, action: Action, value: Any) -> str:
+        s = action.stage
+        return (f"stage {s}'s input for micro-batch {action.microbatch}, from stage {s - 1} "
+                f"on pipe rank {self.rank_of(s - 1)}, was {describe_tensors(value)}")
 
 
 class _Slot:

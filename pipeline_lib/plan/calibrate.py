@@ -1,7 +1,7 @@
 """Fit a GPU type's two efficiency factors to a few measured runs, and nothing else.
 
 The presets in `hardware` hold the result of this fit on the runs that
-``tests/test_plan.py`` names (at most a third of its published rows): that test runs
+``plan.published.CALIBRATION`` names (at most a third of its published rows): that test runs
 the fit again and checks that the presets are its result, so every constant of the
 planner is either on a spec sheet or reproducible from named runs.
 """

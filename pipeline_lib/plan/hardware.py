@@ -82,7 +82,7 @@ A100_HBM, H100_HBM = 81920 * MiB, 81559 * MiB
 # scaling, gradient-norm kernels and other unmodelled work included, which is why they
 # sit below the 80-90% that a lone large GEMM or a lone nccl-tests run reaches).
 # A100: both fitted by `pipeline_lib.plan.calibrate` on three rows of Narayanan et al.
-# 2021, Table 1 (1.7B, 18.4B and 145.6B; tests/test_plan.py names them and checks that
+# 2021, Table 1 (1.7B, 18.4B and 145.6B; plan.published names them; tests/test_plan.py checks that
 # these are the fit's result). H100: the matmul factor fitted the same way on Llama 3
 # 405B at 8,192 GPUs (Dubey et al. 2024, Table 4); one run fixes only one factor, so its
 # bandwidth factor is nccl-tests' ~80% of nominal NVLink bus bandwidth (doc/PERFORMANCE.md).

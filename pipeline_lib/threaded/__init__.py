@@ -1,11 +1,12 @@
 """Executor 1, one process: every stage on its own thread (its own device), `Pipe`.
 
-`pipe.Pipe` splits an ``nn.Sequential`` into stages and runs a `Schedule` by handing
-each rank's action list to `threads.run_programs`, which drives one thread per rank;
-each action is carried out by the stage's `pipeline_lib.stage.StageRunner`, the same
-runner the multi-process executor uses. Activations travel through a `threads.Mailbox`.
+`pipe.Pipe` splits an ``nn.Sequential`` into stages; `threads.run_threads` starts one
+thread per rank, each running the rank's program with `pipeline_lib.executor.run_program`
+(the loop the multi-process executor runs too), its actions carried out by the stages'
+`pipeline_lib.stage.StageRunner`s. Activations travel through a `threads.Mailbox`
+(`threads.InProcess`, the in-process transport).
 """
 from pipeline_lib.threaded.pipe import Pipe
-from pipeline_lib.threaded.threads import Mailbox, PipelineAborted, run_programs
+from pipeline_lib.threaded.threads import InProcess, Mailbox, PipelineAborted, run_threads
 
-__all__ = ["Mailbox", "Pipe", "PipelineAborted", "run_programs"]
+__all__ = ["InProcess", "Mailbox", "Pipe", "PipelineAborted", "run_threads"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -16,18 +16,19 @@ from torch import Tensor, nn
 from pipeline_lib import tree
 from pipeline_lib.batchnorm import DeferredBatchNorm
 from pipeline_lib.checkpoint import check_mode
-from pipeline_lib.devices import stage_devices, transfer
-from pipeline_lib.loss import StepGradients, check_count, check_grad_mode, total_count
-from pipeline_lib.microbatch import check_rows, gather, loss_weights, split
+from pipeline_lib.devices import stage_devices
+from pipeline_lib.executor import Stopwatch, perf_clock, run_program
+from pipeline_lib.loss import StepGradients, check_grad_mode
+from pipeline_lib.microbatch import gather, split
 from pipeline_lib.partition import group_layers
-from pipeline_lib.rng import new_step_seed
-from pipeline_lib.schedules import BUILDERS, Action, Schedule, plan, ranks_for
-from pipeline_lib.skip import SkipError, SkipKey, describe, skip_routes
+from pipeline_lib.rng import new_step_seed, streams_for
+from pipeline_lib.schedules import BUILDERS, Action, Schedule, plan
+from pipeline_lib.skip import SkipKey, skip_routes
 from pipeline_lib.stage import LossFn, StageRunner
+from pipeline_lib.step import batch_loss, make_runners, split_batch, train_step
 from pipeline_lib.thread_state import ThreadState
 from pipeline_lib.threaded import allocator
-from pipeline_lib.threaded.interrupts import interrupts_held
-from pipeline_lib.threaded.threads import Mailbox, run_programs
+from pipeline_lib.threaded.threads import InProcess, Mailbox, run_threads
 from pipeline_lib.timeline import Timeline
 
 
@@ -49,7 +50,8 @@ class Pipe(nn.Module):
     * ``devices``: one per stage (stages may share a device); by default, where each
       stage's parameters already are, or where a `WithDevice` layer in it says. Stages
       are moved to their devices.
-    * ``chunks``: micro-batches per mini-batch. Inputs are a tensor or a tuple, list or
+    * ``chunks``: micro-batches per mini-batch (the classic API's name; everywhere else
+      the library says ``microbatches``). Inputs are a tensor or a tuple, list or
       dict of them, nested; their tensors are split along dim 0; wrap a tensor in
       `NoChunk` to give it whole to every micro-batch (a shared mask). Stages may pass
       each other such trees too (see `microbatch`). ``checkpoint``: ``"always"``,
@@ -76,8 +78,9 @@ class Pipe(nn.Module):
     ``pipe(x)`` is the classic API: a pipelined forward whose output is connected to
     autograd, so ``criterion(pipe(x), y).backward()`` trains as usual; autograd runs the
     backward, calling each stage's. ``pipe.step(x, y, loss_fn, schedule)`` runs forward
-    and backward under a schedule, one thread per device, and records ``pipe.timeline``;
-    ``loss_fn`` returns a mean or a ``SumCount(loss_sum, count)`` (see `pipeline_lib.loss`).
+    and backward under a schedule, one thread per device (the caller's own for a one-rank
+    schedule), and records ``pipe.timeline``; ``loss_fn`` returns a mean or a
+    ``SumCount(loss_sum, count)`` (see `pipeline_lib.loss`).
     Both leave no stage thread running when they fail or are interrupted.
     """
 
@@ -125,51 +128,35 @@ class Pipe(nn.Module):
                                 f"devices=[...] instead, or move the model before wrapping it")
         return super()._apply(fn, recurse)
 
-    # -- skip connections: straight from the stashing stage to the popping stage ---------
-
-    def _send_skips(self, mailbox: Mailbox, stage: int, microbatch: int,
-                    stashed: dict[SkipKey, Tensor]) -> None:
-        for route in self.skip_routes:
-            if route.source != stage:
-                continue
-            if route.key not in stashed:
-                raise SkipError(f"stage {stage} declares a stash of {describe(route.key)} "
-                                f"but its forward of micro-batch {microbatch} did not stash "
-                                f"it; stage {route.target} would wait for it forever")
-            mailbox.put(("skip", route.key, microbatch),
-                        transfer(stashed[route.key], self.devices[route.target]))
-
-    def _receive_skips(self, mailbox: Mailbox, stage: int, microbatch: int
-                       ) -> dict[SkipKey, Tensor]:
-        return {route.key: mailbox.get(("skip", route.key, microbatch))
-                for route in self.skip_routes if route.target == stage}
-
-    def _send_skip_grads(self, mailbox: Mailbox, microbatch: int,
-                         grads: dict[SkipKey, Tensor | None]) -> None:
-        for route in self.skip_routes:
-            if route.key in grads:
-                mailbox.put(("skip-grad", route.key, microbatch),
-                            transfer(grads[route.key], self.devices[route.source]))
-
-    def _receive_skip_grads(self, mailbox: Mailbox, stage: int, microbatch: int
-                            ) -> dict[SkipKey, Tensor | None]:
-        return {route.key: mailbox.get(("skip-grad", route.key, microbatch))
-                for route in self.skip_routes if route.source == stage}
-
     # -- running programs: no half-finished state survives a failure -------------------
 
-    def _run_programs(self, programs: list[list[Action]], devices: list[torch.device],
-                      receive, compute, mailbox: Mailbox, title: str) -> None:
-        """`run_programs`, recording ``self.timeline``. If it fails (a stage raised, or
-        the caller was interrupted), every stage thread has stopped when it returns, and
+    def _run(self, programs: list[list[Action]], runners: Mapping[int, Any],
+             inputs: list[Any], targets: list[Any], name: str) -> None:
+        """Each rank's program on a thread of its own (`executor.run_program`),
+        recording ``self.timeline``. If it fails (a stage raised, or the caller was
+        interrupted), every stage thread has stopped when it returns, and
         `DeferredBatchNorm` layers forget the mini-batch's micro-batches they have seen."""
+        mailbox, last = Mailbox(), len(self.partitions) - 1
+        devices = [self.devices[program[0].stage] for program in programs]
+        clock = perf_clock()
+        stopwatches = [Stopwatch(r, d, clock) for r, d in enumerate(devices)]
+
+        def work(rank: int) -> None:
+            transport = InProcess(mailbox, self.devices, self.skip_routes, rank, devices[rank])
+            run_program(programs[rank], runners, last, inputs, targets, transport,
+                        stopwatches[rank], name)
+            stopwatches[rank].events()   # on CUDA: the device's work is done here
+
         try:
-            self.timeline = run_programs(programs, devices, receive, compute, mailbox, title)
+            run_threads(devices, work, mailbox)
         except BaseException:
             for layer in self.modules():
                 if isinstance(layer, DeferredBatchNorm):
                     layer.forget_partial_batch()
             raise
+        events = sorted((e for w in stopwatches for e in w.events()),
+                        key=lambda e: (e.start, e.rank))
+        self.timeline = Timeline(len(programs), events, unit="s", title=name)
 
     # -- the classic API: pipelined forward, autograd backward ---------------------------
 
@@ -185,37 +172,32 @@ class Pipe(nn.Module):
         """
         micro = split(inputs, self.chunks)
         m, n = len(micro), len(self.partitions)
+        if m > 1 and torch.is_grad_enabled() and run_by_data_parallel(self):
+            raise RuntimeError(
+                "this Pipe runs inside DistributedDataParallel with several micro-batches: "
+                "each stage's backward accumulates a weight's gradient once per "
+                "micro-batch, and DDP would all-reduce the first partial sum. For data "
+                "parallelism across pipelines use DistributedPipe (a dp x pp mesh, DDP per "
+                "stage); for the classic tutorial's DDP-wrapped Pipe use "
+                "pipeline_lib.sync.Pipe, which runs the micro-batches in one graph there")
         step_seed = new_step_seed()
         modes = ThreadState.capture()   # a replay in the backward runs under its autocast
         # the caller's tensors are used as they are unless it wants their gradients
         wants_input_grads = any(t.requires_grad for t in tree.tensors(inputs))
         # In eval mode nothing is checkpointed (as in the classic API): evaluation rarely
-        # runs a backward, so a checkpoint would only add a forward.
+        # runs a backward, so a checkpoint would only add a forward. The random streams are
+        # `microbatch_rng`'s, the runners' default: a checkpointed stage replays its
+        # forward in the caller's backward, on autograd's threads, beside whatever they run.
         runners = [StageRunner(s, self.partitions[s], self.devices[s],
                                self.checkpoint if _training(self.partitions[s]) else "never",
-                               m, step_seed, first=s == 0 and not wants_input_grads)
+                               m, step_seed,
+                               input_as_given=s == 0 and not wants_input_grads)
                    for s in range(n)]
         outputs: dict[int, Any] = {}
-        mailbox = Mailbox()
-
-        def receive(action: Action) -> tuple[Any, dict[SkipKey, Tensor]]:
-            s, i = action.stage, action.microbatch
-            x = micro[i] if s == 0 else mailbox.get((s, i))
-            return x, self._receive_skips(mailbox, s, i)
-
-        def compute(action: Action, received: tuple[Any, dict[SkipKey, Tensor]]) -> None:
-            s, i = action.stage, action.microbatch
-            x, skips = received
-            x = transfer(x, self.devices[s])
-            y, stashed = _StageFunction.run(runners[s], i, x, skips, modes)
-            self._send_skips(mailbox, s, i, stashed)
-            if s == n - 1:
-                outputs[i] = y
-            else:
-                mailbox.put((s + 1, i), transfer(y, self.devices[s + 1]))
-
+        stages = {s: _Autograd(runners[s], modes, outputs if s == n - 1 else None)
+                  for s in range(n)}
         programs = [[Action(s, "F", i) for i in range(m)] for s in range(n)]
-        self._run_programs(programs, self.devices, receive, compute, mailbox, "forward")
+        self._run(programs, stages, micro, [None] * m, "forward")
         return gather([outputs[i] for i in range(m)])
 
     # -- scheduled training step ---------------------------------------------------------
@@ -225,8 +207,7 @@ class Pipe(nn.Module):
         if not isinstance(schedule, (str, Schedule)):
             raise TypeError(f"schedule must be the name of one ({', '.join(sorted(BUILDERS))})"
                             f" or a Schedule, got {schedule!r}")
-        ranks = schedule.ranks if isinstance(schedule, Schedule) else ranks_for(schedule, n)
-        schedule = plan(schedule, ranks, n, microbatches)
+        schedule = plan(schedule, None, n, microbatches)
         for s in range(n):
             first = schedule.stages_on(schedule.rank_of(s))[0]   # sets the rank's device
             if self.devices[s] != self.devices[first]:
@@ -279,72 +260,40 @@ class Pipe(nn.Module):
     def _step(self, inputs: Any, target: Any, loss_fn: LossFn,
               schedule: str | Schedule) -> Tensor:
         check_grad_mode("Pipe.step")
-        check_rows(inputs, target)
-        micro_in, micro_target = split(inputs, self.chunks), split(target, self.chunks)
+        micro_in, micro_target, weights = split_batch(inputs, target, self.chunks)
         m, n = len(micro_in), len(self.partitions)
         plan = self._schedule(schedule, m)
-        step_seed = new_step_seed()
-        weights = loss_weights(micro_target)   # the loss averages over target rows
-        runners = [StageRunner(s, self.partitions[s], self.devices[s], self.checkpoint, m,
-                               step_seed, loss_fn=loss_fn if s == n - 1 else None,
-                               loss_weights=weights, first=s == 0) for s in range(n)]
-        mailbox = Mailbox()
+        runners = make_runners({s: (self.partitions[s], self.devices[s]) for s in range(n)},
+                               n - 1, self.checkpoint, m, new_step_seed(), loss_fn,
+                               weights, rng=streams_for(plan.ranks))
 
-        def receive(action: Action) -> tuple[Any, dict[SkipKey, Tensor | None]] | None:
-            """The activation (F) or output gradient (B, I) this action consumes, with the
-            skip tensors it pops (F) or the gradients of those it stashed (B, I)."""
-            s, i = action.stage, action.microbatch
-            if action.kind == "F":
-                x = micro_in[i] if s == 0 else mailbox.get(("F", s, i))
-                return x, self._receive_skips(mailbox, s, i)
-            if action.kind in ("B", "I"):
-                grad = mailbox.get(("B", s, i)) if s < n - 1 else None
-                return grad, self._receive_skip_grads(mailbox, s, i)
-            return None
+        def run() -> tuple[Tensor, float]:
+            self._run(plan.actions, runners, micro_in, micro_target, plan.name)
+            return batch_loss([runners[n - 1].losses[i] for i in range(m)])
 
-        def compute(action: Action, received: Any) -> None:
-            s, i = action.stage, action.microbatch
-            runner, device = runners[s], self.devices[s]
-            if action.kind == "F":
-                x, skips = received
-                target_i = transfer(micro_target[i], device) if s == n - 1 else None
-                y = runner.forward(i, transfer(x, device), target_i, skips=skips)
-                self._send_skips(mailbox, s, i, runner.take_stashed(i))
-                if s < n - 1:
-                    mailbox.put(("F", s + 1, i), transfer(y, self.devices[s + 1]))
-            elif action.kind == "W":
-                runner.backward_weight(i)
-            else:
-                grad, skip_grads = received
-                backward = runner.backward if action.kind == "B" else runner.backward_input
-                grad_in = backward(i, grad, skip_grads=skip_grads)
-                self._send_skip_grads(mailbox, i, runner.take_skip_grads(i))
-                if s > 0:
-                    mailbox.put(("B", s - 1, i), transfer(grad_in, self.devices[s - 1]))
+        return train_step(self.parameters(), run, StepGradients)
 
-        rank_devices = [self.devices[plan.stages_on(r)[0]] for r in range(plan.ranks)]
-        # .grad is set aside, restored and committed with Ctrl-C held (`interrupts_held`):
-        # each of these whole or not at all, never some parameters and not others
-        grads: StepGradients | None = None
-        try:
-            with interrupts_held():
-                grads = StepGradients(self.parameters())
-            self._run_programs(plan.actions, rank_devices, receive, compute, mailbox,
-                               plan.name)
-            losses = [runners[-1].losses[i] for i in range(m)]
-            loss, count = torch.stack([value for value, _ in losses]).sum(), total_count(losses)
-            if count is not None:
-                count = count.item()
-                check_count(count)
-                loss = loss / count
-        except BaseException:
-            with interrupts_held():
-                if grads is not None:
-                    grads.discard()
-            raise
-        with interrupts_held():   # an interrupt now comes after the step, which counts
-            grads.commit(1.0 if count is None else 1.0 / count)
-        return loss
+
+class _Autograd:
+    """A `StageRunner` whose forward is a node of autograd's graph (`_StageFunction`),
+    for ``pipe(x)``: `run_program` drives it like the runner itself. The last stage's
+    keeps its outputs in ``outputs``, for `gather`."""
+
+    def __init__(self, runner: StageRunner, modes: ThreadState,
+                 outputs: dict[int, Any] | None):
+        self.runner, self.device, self.modes, self.outputs = runner, runner.device, modes, outputs
+        self.stashed: dict[int, dict[SkipKey, Tensor]] = {}
+
+    def forward(self, microbatch: int, x: Any, target: Any = None,
+                skips: Mapping[SkipKey, Tensor] | None = None) -> Any:
+        y, self.stashed[microbatch] = _StageFunction.run(self.runner, microbatch, x,
+                                                         dict(skips or {}), self.modes)
+        if self.outputs is not None:
+            self.outputs[microbatch] = y
+        return y
+
+    def take_stashed(self, microbatch: int) -> dict[SkipKey, Tensor]:
+        return self.stashed.pop(microbatch)
 
 
 class _StageFunction(torch.autograd.Function):
@@ -402,3 +351,13 @@ class _StageFunction(torch.autograd.Function):
         grad_x = [g for g, is_tensor in zip(tree.leaves(grad_x), ctx.x_is_tensor) if is_tensor] \
             if grad_x is not None else [None] * sum(ctx.x_is_tensor)
         return (None,) * 8 + (*grad_x, *(popped.get(k) for k in ctx.popped))
+
+
+def run_by_data_parallel(pipe: nn.Module) -> bool:
+    """Whether `DistributedDataParallel` is running ``pipe``'s forward (PyTorch keeps the
+    DDP module whose forward is running; there is no public way to ask)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    active = DistributedDataParallel._get_active_ddp_module()
+    return active is not None and active.module is pipe
+

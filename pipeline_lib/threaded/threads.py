@@ -1,4 +1,5 @@
-"""Running per-rank programs on threads, one thread per rank (device).
+"""Running per-rank programs on threads, one thread per rank (device), and the in-process
+transport between them.
 
 Threads are enough for real parallelism: PyTorch releases the GIL inside its kernels, so
 two stage threads on two CPU cores (or two GPUs) compute at the same time. Activations and
@@ -12,16 +13,18 @@ gradients behind the next step's back (`interrupts` says how, and why not
 """
 from __future__ import annotations
 
+import contextlib
 import threading
-import time
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Mapping
 
 import torch
 
+from pipeline_lib.devices import transfer
+from pipeline_lib.executor import Received
 from pipeline_lib.schedules import Action
+from pipeline_lib.skip import SkipError, SkipKey, SkipRoute, describe
 from pipeline_lib.thread_state import ThreadState
 from pipeline_lib.threaded.interrupts import interrupts_held, wait_until_set
-from pipeline_lib.timeline import Event, Timeline
 
 
 class PipelineAborted(RuntimeError):
@@ -58,50 +61,89 @@ class Mailbox:
             self._cond.notify_all()
 
 
-def run_programs(programs: list[list[Action]], devices: list[torch.device],
-                 receive: Callable[[Action], Any], compute: Callable[[Action, Any], None],
-                 mailbox: Mailbox, title: str = "") -> Timeline:
-    """Run ``programs[r]`` on thread r: for each action, wait for its input with
-    ``receive(action)``, then ``compute(action, input)`` (which also hands on the result).
+class InProcess:
+    """The in-process `executor.Transport` of one stage thread: activations, gradients
+    and skip tensors go through the `Mailbox` shared by the threads, each moved to the
+    device of the stage that consumes it. A skip tensor goes straight from the stage
+    that stashed it to the one that pops it, and its gradient straight back."""
 
-    Returns the measured timeline (seconds since the start): an event spans the compute
-    only, so waiting shows as idle time. On CUDA each action is synchronised before its
-    end time is taken, so the timeline shows when the device really worked rather than
-    when kernels were queued.
-    """
+    def __init__(self, mailbox: Mailbox, devices: list[torch.device],
+                 routes: list[SkipRoute], rank: int, device: torch.device):
+        self.mailbox, self.devices, self.routes = mailbox, devices, routes
+        self.where = f"pipeline rank {rank} ({device})"
+
+    def receive(self, action: Action) -> Received:
+        self.mailbox.check()
+        s, i, get = action.stage, action.microbatch, self.mailbox.get
+        if action.kind == "F":
+            x = get(("F", s, i)) if s > 0 else None
+            return x, {r.key: get(("skip", r.key, i)) for r in self.routes if r.target == s}
+        if action.kind in ("B", "I"):
+            grad = get(("B", s, i)) if s < len(self.devices) - 1 else None
+            return grad, {r.key: get(("skip-grad", r.key, i))
+                          for r in self.routes if r.source == s}
+        return None, {}
+
+    def send(self, action: Action, value: Any, skips: Mapping[SkipKey, Any]) -> None:
+        s, i, put = action.stage, action.microbatch, self.mailbox.put
+        if action.kind == "F":
+            for route in self.routes:
+                if route.source != s:
+                    continue
+                if route.key not in skips:
+                    raise SkipError(f"stage {s} declares a stash of {describe(route.key)} "
+                                    f"but its forward of micro-batch {i} did not stash it; "
+                                    f"stage {route.target} would wait for it forever")
+                put(("skip", route.key, i), transfer(skips[route.key],
+                                                     self.devices[route.target]))
+            put(("F", s + 1, i), transfer(value, self.devices[s + 1]))
+            return
+        for route in self.routes:
+            if route.key in skips:
+                put(("skip-grad", route.key, i), transfer(skips[route.key],
+                                                          self.devices[route.source]))
+        put(("B", s - 1, i), transfer(value, self.devices[s - 1]))
+
+    def input_note(self, action: Action, value: Any) -> None:
+        """Nothing to add: the input was made in this process, by the previous stage."""
+
+
+def run_threads(devices: list[torch.device], work: Callable[[int], None],
+                mailbox: Mailbox) -> None:
+    """Run ``work(r)`` on thread r, one per entry of ``devices``, under the caller's
+    modes, and return once every thread has stopped. If one raises, the mailbox is
+    closed (every waiting thread stops) and the caller gets the failure that caused
+    the others; if the caller is interrupted, the same, after the threads stopped.
+
+    A single rank runs on the caller's thread: nothing runs beside it, so a thread would
+    only add its start and hand-overs to the step (`bench/bench_overhead.py`)."""
+    if len(devices) == 1:
+        with torch.cuda.device(devices[0]) if devices[0].type == "cuda" \
+                else contextlib.nullcontext():
+            work(0)
+        return
     # grad mode, autocast, saved-tensor hooks, the intra-op thread count... are per
     # thread: each stage thread computes under the caller's (see `thread_state`)
     modes = ThreadState.capture()
-    errors: list[tuple[int, Action | None, BaseException]] = []
-    events: list[Event] = []
+    errors: list[BaseException] = []
     # each thread sets its flag as the very last thing it does; the caller waits for
     # these, not for Thread.join (see `interrupts`)
-    finished = [threading.Event() for _ in programs]
-    t0 = time.perf_counter()
+    finished = [threading.Event() for _ in devices]
 
     def worker(rank: int) -> None:
-        device = devices[rank]
-        action = None
         try:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
+            if devices[rank].type == "cuda":
+                torch.cuda.set_device(devices[rank])
             with modes.applied():
-                for action in programs[rank]:
-                    mailbox.check()
-                    received = receive(action)
-                    start = time.perf_counter()
-                    compute(action, received)
-                    if device.type == "cuda":
-                        torch.cuda.current_stream(device).synchronize()
-                    events.append(Event(rank, action, start - t0, time.perf_counter() - t0))
+                work(rank)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            errors.append((rank, action, exc))
+            errors.append(exc)
             mailbox.close(exc)
         finally:
             finished[rank].set()
 
     threads = [threading.Thread(target=worker, args=(r,), name=f"pipeline-rank{r}",
-                                daemon=True) for r in range(len(programs))]
+                                daemon=True) for r in range(len(devices))]
     running: list[threading.Event] = []   # the flags of the threads that were started
     try:
         with interrupts_held():   # all threads start, or the caller knows which did
@@ -116,13 +158,5 @@ def run_programs(programs: list[list[Action]], devices: list[torch.device],
         finally:   # (even if a second Ctrl-C cut that short: then they run to the end)
             wait_until_set(running)
         raise
-    if errors:
-        # report the failure that caused the others (they only saw the abort)
-        rank, action, exc = next((e for e in errors if not isinstance(e[2], PipelineAborted)),
-                                 errors[0])
-        exc.add_note(f"raised on pipeline rank {rank} ({devices[rank]}) while running "
-                     f"action {action}")
-        raise exc
-    events.sort(key=lambda e: (e.start, e.rank))
-    return Timeline(len(programs), events, unit="s", title=title)
-
+    if errors:   # the failure that caused the others (they only saw the abort)
+        raise next((e for e in errors if not isinstance(e, PipelineAborted)), errors[0])

@@ -23,8 +23,8 @@ def schedule_timelines(p: int = RANKS, m: int = MICROBATCHES,
                        v: int = VIRTUAL_STAGES) -> dict[str, Timeline]:
     """The steps the README draws, with backward = 2 × forward.
 
-    Interleaved chunks are 1/v of a stage, so they cost 1/v as much: all charts then show
-    the same model on the same time axis. ZB-H1 splits each backward into I = W = F.
+    A rank's v virtual stages are 1/v of a stage each, so they cost 1/v as much: all
+    charts then show the same model on the same time axis. ZB-H1 splits each backward into I = W = F.
     """
     timelines = {
         "naive": simulate(gpipe(p, 1)),

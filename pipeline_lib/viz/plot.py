@@ -22,15 +22,15 @@ from pipeline_lib.timeline import Timeline, bubble_theory, simulate
 KIND_COLOURS = {"F": "#0072B2", "B": "#E69F00", "I": "#D55E00", "W": "#009E73"}
 KIND_NAMES = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
 IDLE_COLOUR = "#ECECEC"
-# A rank's later model chunks (interleaved schedules): paler and hatched, so they are told
+# A rank's later virtual stages (interleaved and V schedules): paler and hatched, so they are told
 # apart in print and by readers who do not tell the shades apart.
-CHUNK_HATCHES = ("", "///", "xxx", "...")
+VIRTUAL_STAGE_HATCHES = ("", "///", "xxx", "...")
 HATCH_COLOUR = (0.0, 0.0, 0.0, 0.35)
 LABEL_POINTS = 8          # every label in a box; smaller would not be read
 
 
 def _lighter(colour: str, amount: float) -> tuple[float, float, float]:
-    """Mix ``colour`` with white: later model chunks of an interleaved rank look paler."""
+    """Mix ``colour`` with white: a rank's later virtual stages look paler."""
     return tuple(c + (1.0 - c) * amount for c in to_rgb(colour))
 
 
@@ -50,11 +50,11 @@ def _step_time(timeline: Timeline) -> str:
     return f"{timeline.makespan * scale:.3g} {unit}"
 
 
-def _chunk_of(timeline: Timeline) -> dict[tuple[int, int], int]:
-    """(row, stage) -> which of its row's model chunks the stage is, counted from the
+def _virtual_stage_of(timeline: Timeline) -> dict[tuple[int, int], int]:
+    """(row, stage) -> which of its row's virtual stages the stage is, counted from the
     row's first stage. Read from the events rather than computed as ``stage // rows``,
     which holds only when every row is one pipeline rank: a gathered run with replicas
-    has ``dp × pp`` rows, and a V-shaped schedule's second chunk runs backwards."""
+    has ``dp × pp`` rows, and a V-shaped schedule's second virtual stage runs backwards."""
     stages: dict[int, set[int]] = {}
     for e in timeline.events:
         stages.setdefault(e.rank, set()).add(e.action.stage)
@@ -79,7 +79,7 @@ def gantt(timeline: Timeline, ax: Axes | None = None, title: str | None = None,
     """Draw one row per rank, one box per action, on a grey row that shows idle time.
 
     Boxes are coloured by kind (F, B, I, W) and carry the micro-batch number; when a
-    rank holds several stages (interleaved schedules) its later model chunks are paler
+    rank holds several stages (interleaved schedules) its later virtual stages are paler
     and hatched, and the stage is written under the number where the box is tall enough.
     Labels are 8 pt; a label that would not fit its box is left out rather than
     overprinted. The title ends with the bubble fraction, and for a measured timeline
@@ -96,25 +96,25 @@ def gantt(timeline: Timeline, ax: Axes | None = None, title: str | None = None,
         _, ax = plt.subplots(figsize=(10, 0.45 * timeline.ranks + 1.3))
     scale, xlabel = _time_scale(timeline)
     span = timeline.makespan * scale
-    chunk = _chunk_of(timeline)
-    chunks = max(chunk.values()) + 1
-    interleaved = chunks > 1
+    virtual = _virtual_stage_of(timeline)
+    per_rank = max(virtual.values()) + 1
+    interleaved = per_rank > 1
 
     def paler(k: int) -> float:
-        return 0.5 * k / (chunks - 1) if interleaved else 0.0
+        return 0.5 * k / (per_rank - 1) if interleaved else 0.0
 
     for rank in range(timeline.ranks):
         ax.broken_barh([(0, span)], (rank - 0.4, 0.8), color=IDLE_COLOUR, zorder=0)
-        for k in range(chunks):
+        for k in range(per_rank):
             events = [e for e in timeline.events
-                      if e.rank == rank and chunk[e.rank, e.action.stage] == k]
+                      if e.rank == rank and virtual[e.rank, e.action.stage] == k]
             if not events:
                 continue
             boxes = ax.broken_barh(
                 [(e.start * scale, e.duration * scale) for e in events], (rank - 0.4, 0.8),
                 facecolors=[_lighter(KIND_COLOURS[e.action.kind], paler(k)) for e in events],
                 edgecolor="white", linewidth=0.6, zorder=1,
-                hatch=CHUNK_HATCHES[k % len(CHUNK_HATCHES)] or None)
+                hatch=VIRTUAL_STAGE_HATCHES[k % len(VIRTUAL_STAGE_HATCHES)] or None)
             boxes.set_hatchcolor(HATCH_COLOUR)
 
     if labels:
@@ -122,7 +122,7 @@ def gantt(timeline: Timeline, ax: Axes | None = None, title: str | None = None,
         two_lines = 0.8 * height / timeline.ranks >= 2.5 * LABEL_POINTS
         for e in timeline.events:
             box_points = e.duration * scale / span * width
-            k = chunk[e.rank, e.action.stage]
+            k = virtual[e.rank, e.action.stage]
             colour = "white" if k == 0 else "black"
             centre = (e.start + e.duration / 2) * scale
             lines = [str(e.action.microbatch)]
@@ -151,8 +151,8 @@ def gantt(timeline: Timeline, ax: Axes | None = None, title: str | None = None,
         kinds = [k for k in KIND_COLOURS if any(e.action.kind == k for e in timeline.events)]
         handles = [Patch(color=KIND_COLOURS[k], label=f"{k} {KIND_NAMES[k]}") for k in kinds]
         handles += [Patch(facecolor=_lighter("#777777", paler(k)), edgecolor=HATCH_COLOUR,
-                          hatch=CHUNK_HATCHES[k % len(CHUNK_HATCHES)],
-                          label=f"chunk {k + 1} of a rank") for k in range(chunks)
+                          hatch=VIRTUAL_STAGE_HATCHES[k % len(VIRTUAL_STAGE_HATCHES)],
+                          label=f"virtual stage {k + 1} of a rank") for k in range(per_rank)
                     if interleaved]
         handles.append(Patch(color=IDLE_COLOUR, label="idle"))
         _legend(ax, handles)
@@ -184,7 +184,7 @@ def bubble_vs_microbatches(ranks: Sequence[int], microbatches: Sequence[int],
     v = 1 is 1F1B (GPipe's bubble is the same); v > 1 is interleaved 1F1B, dashed, simulated
     at every m; its theory line starts at m = p: below, one round of m < p micro-batches
     cannot keep the loop busy, and the simulated dots sit above the formula. Forward costs
-    1, backward 2, split evenly over a rank's v chunks, so every curve describes the same
+    1, backward 2, split evenly over a rank's v virtual stages, so every curve describes the same
     model.
     """
     if ax is None:

@@ -7,10 +7,14 @@
   transport (a deadlock is found at once: both ranks waiting to receive); `send_recv_worker`
   runs it under ``torchrun`` with the real calls, counted. Either way `verify_send_recv`
   checks what each rank sent (one activation forward, one gradient back, their values),
-  the output and every gradient against the unpipelined model.
+  the output and every gradient against the unpipelined model. A right answer may be
+  written with ``send``/``recv``, ``isend``/``irecv`` or ``batch_isend_irecv``, named
+  through ``dist.`` or imported from ``torch.distributed``: both ways reach them all.
 * **6.2** (PyTorch's lowered action lists): the expected schedules are read first with
   `pytorch_schedule`, which is the reference solution, and the learner's function then
-  runs inside `withheld`, where calling it fails.
+  runs inside `withheld`, where calling it fails. The cases include 4 stages per rank (so
+  a 2 written in fails), and the name passed is a label PyTorch does not know (so an
+  answer that asks PyTorch for the named schedule instead of reading ``ops`` fails).
 * **6.3** (pipeline and data-parallel groups on a ``dp × pp`` mesh): ``dist.new_group`` is
   collective, so the check runs the learner's ``make_groups`` once per rank in this process
   with a recording ``new_group`` and checks that every rank creates the same groups in the
@@ -33,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch import Tensor, nn
 
 from pipeline_lib.course.exercises import ExerciseFailed, withheld
@@ -103,8 +108,10 @@ class _Threads:
     def rank(self) -> int:
         return self.ranks[threading.get_ident()]
 
-    def send(self, tensor: Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
+    def send(self, tensor: Tensor, dst: int | None = None, group: Any = None, tag: int = 0,
+             group_dst: int | None = None) -> None:
         src = self.rank()
+        dst = group_dst if dst is None else dst
         if not isinstance(tensor, Tensor):
             raise TypeError(f"rank {src}: send() takes a tensor, got {type(tensor).__name__}")
         if dst not in (0, 1) or dst == src:
@@ -116,8 +123,9 @@ class _Threads:
             self.lock.notify_all()
 
     def recv(self, tensor: Tensor, src: int | None = None, group: Any = None,
-             tag: int = 0) -> int:
+             tag: int = 0, group_src: int | None = None) -> int:
         dst = self.rank()
+        src = group_src if src is None else src
         src = 1 - dst if src is None else src
         with self.lock:
             self.waiting.add(dst)
@@ -142,13 +150,14 @@ class _Threads:
             tensor.copy_(message)
         return src
 
-    def isend(self, tensor: Tensor, dst: int, group: Any = None, tag: int = 0) -> "_Done":
-        self.send(tensor, dst)
+    def isend(self, tensor: Tensor, dst: int | None = None, group: Any = None, tag: int = 0,
+              group_dst: int | None = None) -> "_Done":
+        self.send(tensor, dst, group_dst=group_dst)
         return _Done(lambda: None)
 
     def irecv(self, tensor: Tensor, src: int | None = None, group: Any = None,
-              tag: int = 0) -> "_Done":
-        return _Done(lambda: self.recv(tensor, src))
+              tag: int = 0, group_src: int | None = None) -> "_Done":
+        return _Done(lambda: self.recv(tensor, src, group_src=group_src))
 
     def finished(self, rank: int) -> None:
         with self.lock:
@@ -172,20 +181,50 @@ class _Done:
         return self.finished
 
 
+class _P2POp:
+    """``dist.P2POp`` while a check runs: PyTorch's own refuses any ``op`` but its own
+    ``isend``/``irecv``, which the check has replaced (to record or count the messages)."""
+
+    def __init__(self, op: Callable[..., Any], tensor: Tensor, peer: int | None = None,
+                 group: Any = None, tag: int = 0, group_peer: int | None = None) -> None:
+        self.op, self.tensor = op, tensor
+        self.peer = group_peer if peer is None else peer
+
+
+def _batch_isend_irecv(ops: Sequence[_P2POp]) -> list[Any]:
+    """``dist.batch_isend_irecv`` on `_P2POp`s: each operation posted in order, as gloo
+    (which cannot coalesce them) posts them too."""
+    return [op.op(op.tensor, op.peer) for op in ops]
+
+
 @contextmanager
-def _patched(threads: _Threads) -> Iterator[None]:
-    """``torch.distributed``'s point-to-point calls and rank queries, on ``threads``."""
-    replacements = {"send": threads.send, "recv": threads.recv, "isend": threads.isend,
-                    "irecv": threads.irecv, "get_rank": threads.rank,
-                    "get_world_size": lambda group=None: 2}
-    saved = {name: getattr(dist, name) for name in replacements}
+def _rebound(replacements: dict[str, Callable[..., Any]],
+             *namespaces: dict[str, Any] | None) -> Iterator[None]:
+    """``torch.distributed``'s functions named in ``replacements`` replaced, in the package
+    and in ``namespaces``: the learner's module (``from torch.distributed import send``
+    binds a name of its own there), and ``distributed_c10d`` where its own helpers must
+    see them too (``new_subgroups_by_enumeration`` calls ``new_group`` there; not where a
+    replacement calls the original, since ``send`` itself calls ``isend`` there);
+    everything restored afterwards."""
+    spaces = [vars(dist)] + [space for space in namespaces if space is not None]
+    originals = {id(getattr(dist, name)): name for name in replacements}
+    saved = [(space, key, value) for space in spaces for key, value in list(space.items())
+             if callable(value) and id(value) in originals]
     try:
-        for name, function in replacements.items():
-            setattr(dist, name, function)
+        for space, key, value in saved:
+            space[key] = replacements[originals[id(value)]]
         yield
     finally:
-        for name, function in saved.items():
-            setattr(dist, name, function)
+        for space, key, value in saved:
+            space[key] = value
+
+
+def _patched(threads: _Threads, namespace: dict[str, Any] | None) -> Any:
+    """``torch.distributed``'s point-to-point calls and rank queries, on ``threads``."""
+    return _rebound({"send": threads.send, "recv": threads.recv, "isend": threads.isend,
+                     "irecv": threads.irecv, "get_rank": threads.rank,
+                     "get_world_size": lambda group=None: 2, "P2POp": _P2POp,
+                     "batch_isend_irecv": _batch_isend_irecv}, namespace)
 
 
 def run_in_threads(run_stage: Callable[..., Tensor | None]) -> list[dict[str, Any]]:
@@ -206,7 +245,8 @@ def run_in_threads(run_stage: Callable[..., Tensor | None]) -> list[dict[str, An
         finally:
             threads.finished(rank)
 
-    with _patched(threads), withheld("pipeline_lib.distributed.p2p"):
+    with (_patched(threads, getattr(run_stage, "__globals__", None)),
+          withheld("pipeline_lib.distributed.p2p")):
         workers = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in (0, 1)]
         for worker in workers:
             worker.start()
@@ -255,17 +295,18 @@ def verify_send_recv(results: Sequence[dict[str, Any]]) -> None:
         sent = results[src]["sent"]
         shapes = [tuple(s.tensor.shape) for s in sent]
         _check(len(sent) == 1, f"rank {src} sent {len(sent)} messages {shapes}; it must send "
-               f"exactly one, {what}, to rank {1 - src}. A rank that computes the other "
-               f"rank's layers itself is not a pipeline: each rank holds only its stage")
+               f"exactly one, {what}, to rank {1 - src}"
+               + (". A rank that computes the other rank's layers itself is not a pipeline: "
+                  "each rank holds only its stage" if src == 0 and not sent else
+                  ", after its backward" if src == 1 and not sent else ""))
         message = sent[0]
         _check(message.dst == 1 - src, f"rank {src} sent its message to rank {message.dst}; "
                f"send it to rank {1 - src}")
         _check(message.tensor.shape == want.shape and torch.allclose(message.tensor, want,
                                                                       atol=1e-6),
                f"rank {src} sent a {tuple(message.tensor.shape)} tensor that is not {what} "
-               f"({tuple(want.shape)})"
-               + (": did rank 1 call requires_grad_() on the received activation before "
-                  "its forward, and send activation.grad?" if src == 1 else ""))
+               f"({tuple(want.shape)})" + (_gradient_hint(message.tensor, want)
+                                            if src == 1 else ""))
     output = results[1]["output"]
     _check(isinstance(output, Tensor) and output.shape == expected.shape,
            f"rank 1 must return the output, a tensor of shape {tuple(expected.shape)}; it "
@@ -289,6 +330,20 @@ def verify_send_recv(results: Sequence[dict[str, Any]]) -> None:
                       if rank == 0 else ""))
 
 
+def _gradient_hint(sent: Tensor, want: Tensor) -> str:
+    """What to look at when rank 1's message is not the activation's gradient: a gradient
+    off by a constant factor comes from another loss (a sum instead of MSE's mean); zeros,
+    or anything else, from a received activation that took no part in the backward."""
+    if sent.shape == want.shape:
+        factor = (sent * want).sum() / (want * want).sum()
+        if (torch.allclose(sent, factor * want, atol=1e-6)
+                and abs(factor.item()) > 1e-3 and abs(factor.item() - 1) > 1e-4):
+            return (f": it is {factor.item():.4g} times that gradient. The loss is "
+                    f"nn.functional.mse_loss(output, target), with its default mean")
+    return (": did rank 1 call requires_grad_() on the received activation before its "
+            "forward, and send activation.grad?")
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         _fail(message)
@@ -310,22 +365,27 @@ def send_recv_worker(module: str, out: Path) -> None:
     sent: list[Sent] = []
     send, isend = dist.send, dist.isend
 
-    def counted_send(tensor: Tensor, dst: int, *args: Any, **kwargs: Any) -> Any:
-        sent.append(Sent(rank, dst, tensor.detach().clone()))
+    def counted_send(tensor: Tensor, dst: int | None = None, *args: Any, **kwargs: Any) -> Any:
+        sent.append(Sent(rank, kwargs.get("group_dst") if dst is None else dst,
+                         tensor.detach().clone()))
         return send(tensor, dst, *args, **kwargs)
 
-    def counted_isend(tensor: Tensor, dst: int, *args: Any, **kwargs: Any) -> Any:
-        sent.append(Sent(rank, dst, tensor.detach().clone()))
+    def counted_isend(tensor: Tensor, dst: int | None = None, *args: Any, **kwargs: Any
+                      ) -> Any:
+        sent.append(Sent(rank, kwargs.get("group_dst") if dst is None else dst,
+                         tensor.detach().clone()))
         return isend(tensor, dst, *args, **kwargs)
 
-    dist.send, dist.isend = counted_send, counted_isend
     stage = stage_of(rank)
     x, target = _batch()
     output, error = None, None
-    try:
-        output = importlib.import_module(module).run_stage(rank, stage, x, target)
-    except Exception as raised:     # for the check: which rank failed, and why
-        error = f"{type(raised).__name__}: {raised}"
+    answer = importlib.import_module(module)
+    with _rebound({"send": counted_send, "isend": counted_isend, "P2POp": _P2POp,
+                   "batch_isend_irecv": _batch_isend_irecv}, vars(answer)):
+        try:
+            output = answer.run_stage(rank, stage, x, target)
+        except Exception as raised:     # for the check: which rank failed, and why
+            error = f"{type(raised).__name__}: {raised}"
     torch.save({"output": output, "error": error, "sent": [vars(s) for s in sent],
                 "grads": {name: p.grad for name, p in stage.named_parameters()}},
                out / f"rank{rank}.pt")
@@ -347,13 +407,15 @@ def read_worker_results(out: Path) -> list[dict[str, Any]]:
 
 # -- 6.2: PyTorch's lowered action lists ---------------------------------------------------
 
-#: (PyTorch's schedule, ranks, micro-batches): looped and V-shaped, with and without I/W.
-LOWERED_CASES: tuple[tuple[str, int, int], ...] = (
-    ("Interleaved1F1B", 2, 4), ("InterleavedZeroBubble", 4, 8), ("ZBVZeroBubble", 2, 4),
-    ("ZBVZeroBubble", 4, 8), ("DualPipeV", 2, 4))
+#: (PyTorch's schedule, ranks, micro-batches, virtual stages per rank): looped and
+#: V-shaped, with and without I/W, and one with 4 stages per rank (V-shaped ones have 2).
+LOWERED_CASES: tuple[tuple[str, int, int, int], ...] = (
+    ("Interleaved1F1B", 2, 4, 2), ("InterleavedZeroBubble", 4, 8, 2),
+    ("InterleavedZeroBubble", 2, 4, 4), ("ZBVZeroBubble", 2, 4, 2),
+    ("ZBVZeroBubble", 4, 8, 2), ("DualPipeV", 2, 4, 2))
 
 
-def _lowered(name: str, ranks: int, microbatches: int) -> list[list[Any]]:
+def _lowered(name: str, ranks: int, microbatches: int, virtual: int) -> list[list[Any]]:
     import logging
     import warnings
     with warnings.catch_warnings():
@@ -362,7 +424,7 @@ def _lowered(name: str, ranks: int, microbatches: int) -> list[list[Any]]:
         level = logger.level
         logger.setLevel(logging.ERROR)
         try:
-            return get_schedule_ops(name, ranks, microbatches, 2, with_comms=True)
+            return get_schedule_ops(name, ranks, microbatches, virtual, with_comms=True)
         finally:
             logger.setLevel(level)
 
@@ -372,12 +434,14 @@ def check_from_lowered(from_lowered: Callable[..., Schedule],
     """Exercise 6.2: ``from_lowered(ops, microbatches, name)`` reads each case of
     `LOWERED_CASES` as `pytorch_schedule` does (computed first), places the stages as it
     does, and the result validates. ``namespace``: the notebook's globals, whose names for
-    `pytorch_schedule` are withheld too."""
-    cases = [(name, p, m, _lowered(name, p, m), pytorch_schedule(name, p, m, 2))
-             for name, p, m in LOWERED_CASES]
-    for name, p, m, ops, library in cases:
+    `pytorch_schedule` are withheld too. ``name`` is only a label, and not PyTorch's class
+    name, so an answer must read ``ops``: asking PyTorch for the named schedule again
+    fails."""
+    cases = [(name, p, m, v, _lowered(name, p, m, v), pytorch_schedule(name, p, m, v))
+             for name, p, m, v in LOWERED_CASES]
+    for name, p, m, v, ops, library in cases:
         with withheld("pipeline_lib.course.pytorch_schedules", namespace=namespace):
-            yours = from_lowered(ops, m, name)
+            yours = from_lowered(ops, m, f"lowered {name}")
         _check(isinstance(yours, Schedule), f"return a Schedule, got {type(yours).__name__}")
         _check(yours.ranks == p, f"{name}: {yours.ranks} ranks in yours, {p} in the lowered "
                f"order (one list per rank)")
@@ -392,8 +456,9 @@ def check_from_lowered(from_lowered: Callable[..., Schedule],
         where = [yours.rank_of(s) for s in range(yours.stages)]
         want_where = [library.rank_of(s) for s in range(library.stages)]
         _check((yours.stages, where) == (library.stages, want_where),
-               f"{name}, p={p}: stage s runs on rank {where} in yours, on {want_where} in "
-               f"PyTorch's order: check virtual_stages and placement")
+               f"{name}, p={p}, {v} stages per rank: stage s runs on rank {where} in yours, "
+               f"on {want_where} in PyTorch's order: check virtual_stages (the number of "
+               f"stages in the actions over the ranks) and placement")
         try:
             validate(yours)
         except ScheduleError as error:
@@ -418,18 +483,16 @@ def _groups_of(make_groups: Callable[..., Any], rank: int, pp: int, dp: int
     created: list[tuple[int, ...]] = []
 
     def new_group(ranks: Sequence[int] | None = None, *args: Any, **kwargs: Any) -> FakeGroup:
-        group = FakeGroup(tuple(range(pp * dp)) if ranks is None else tuple(ranks))
+        # sorted, as torch.distributed sorts them: [1, 0] is the group [0, 1]
+        group = FakeGroup(tuple(range(pp * dp)) if ranks is None else tuple(sorted(ranks)))
         created.append(group.ranks)
         return group
 
-    saved = dist.new_group, dist.get_rank, dist.get_world_size
-    dist.new_group, dist.get_rank = new_group, lambda group=None: rank
-    dist.get_world_size = lambda group=None: pp * dp
-    try:
-        with withheld("pipeline_lib.distributed.mesh"):
-            returned = make_groups(rank, pp, dp)
-    finally:
-        dist.new_group, dist.get_rank, dist.get_world_size = saved
+    with (_rebound({"new_group": new_group, "get_rank": lambda group=None: rank,
+                    "get_world_size": lambda group=None: pp * dp},
+                   vars(c10d), getattr(make_groups, "__globals__", None)),
+          withheld("pipeline_lib.distributed.mesh")):
+        returned = make_groups(rank, pp, dp)
     return created, returned
 
 

@@ -26,8 +26,9 @@ gradients averaged over its data-parallel group.
 one batch;
 every run starts from those weights and leaves, per rank, the micro-batch losses, the
 gradients of the rank's parameters, the timeline of its forwards and backwards and the
-wall-clock start and end of its last step (`read_run` puts the ranks back together). `pytorch_schedule` turns the action order PyTorch
-describes for a schedule into our `Schedule`, to simulate and draw it.
+wall-clock start and end of its last step (`read_run` puts the ranks back together).
+(`pipeline_lib.course.pytorch_schedules` turns the action order PyTorch describes for a
+schedule into our `Schedule`, to simulate and draw it.)
 """
 from __future__ import annotations
 
@@ -287,6 +288,12 @@ def mesh_step(setup: dict[str, Any], pp: int, dp: int, microbatches: int,
     if len(setup["balance"]) != pp:
         raise ValueError(f"balance {setup['balance']} makes {len(setup['balance'])} stages, "
                          f"not pp = {pp}")
+    rows = setup["inputs"].size(0)
+    if rows % (dp * microbatches):
+        raise ValueError(f"a batch of {rows} rows does not split into {dp} replicas of "
+                         f"{microbatches} equal micro-batches: the average of the replicas' "
+                         f"mean losses is the batch's mean only with equal shares; choose "
+                         f"--microbatches and dp so that dp × microbatches divides {rows}")
     mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
     pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
     replica, pipe_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
