@@ -79,3 +79,40 @@ def test_clip_can_refuse_a_nonfinite_norm_leaving_the_gradients():
         clip_grad_norm_(pipe, 1.0, error_if_nonfinite=True)
     for p, b in zip(pipe.parameters(), before):
         torch.testing.assert_close(p.grad, b)
+
+
+# -- python -m pipeline_lib.lm.train's arguments -----------------------------------------
+
+@pytest.mark.parametrize("flags, message", [
+    # each was accepted and trained wrongly or failed minutes later
+    (["--clip", "nan"], "--clip: must be a number at least 0, not 'nan'"),
+    (["--lr", "-1"], "--lr: must be a number above 0, not '-1'"),   # gradient ascent
+    (["--lr", "nan"], "--lr: must be a number above 0"),
+    (["--lr-floor", "-1"], "--lr-floor: must be a number at least 0 and at most 1"),
+    (["--lr-floor", "nan"], "--lr-floor: must be a number at least 0 and at most 1"),
+    (["--peak-tflops", "0"], "--peak-tflops: must be a number above 0"),   # MFU left out
+    (["--timeout", "0"], "--timeout: must be a number above 0"),
+    (["--synthetic", "0"], "--synthetic: must be a whole number of at least 1"),
+    (["--preset", "huge"], "--preset: invalid choice: 'huge'"),
+    (["--batch", "16", "--chunks", "100"], "use --batch >= 100 (--dp x --chunks)"),
+    (["--batch", "4", "--dp", "8", "--chunks", "1"], "use --batch >= 8"),
+    (["--save-every", "5"], "--save-every 5 saves nowhere without --save DIR"),
+])
+def test_train_refuses_values_that_train_wrongly_before_starting(flags, message, capsys):
+    from pipeline_lib.lm import train
+    with pytest.raises(SystemExit):
+        train._parse_args(flags)
+    assert message in capsys.readouterr().err
+
+
+def test_train_will_not_save_over_another_runs_checkpoint(tmp_path, capsys):
+    """The first save of a new run moved `latest` to its own folder and deleted the old
+    run's step folder: a learner's hours of training lost without a word."""
+    from pipeline_lib import run_state
+    from pipeline_lib.lm import train
+    (tmp_path / run_state.LATEST).write_text("step-000100")
+    with pytest.raises(SystemExit):
+        train._parse_args(["--save", str(tmp_path)])
+    assert f"--save {tmp_path} already holds another run's checkpoint" in capsys.readouterr().err
+    args = train._parse_args(["--save", str(tmp_path), "--resume", str(tmp_path)])
+    assert args.save == args.resume   # going on from it, into it, is the way to keep it
