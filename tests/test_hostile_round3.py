@@ -116,3 +116,125 @@ def test_train_will_not_save_over_another_runs_checkpoint(tmp_path, capsys):
     assert f"--save {tmp_path} already holds another run's checkpoint" in capsys.readouterr().err
     args = train._parse_args(["--save", str(tmp_path), "--resume", str(tmp_path)])
     assert args.save == args.resume   # going on from it, into it, is the way to keep it
+
+
+# -- run_state: checkpoints the learner owns -------------------------------------------
+
+@pytest.fixture(scope="module")
+def mesh():
+    """A one-process job in this process (gloo): enough for a `DistributedPipe` whose one
+    rank holds both stages of a V schedule, and for `run_state` on it."""
+    import socket
+
+    import torch.distributed as dist
+
+    from pipeline_lib.distributed import init_mesh
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    try:
+        yield init_mesh(1, 1, 30)
+    finally:
+        dist.destroy_process_group()
+
+
+def _trained(mesh, layers: int = 4, width: int = 8, optimizer=torch.optim.AdamW):
+    """A one-rank pipeline of ``layers`` Linear layers after one step, its balance and
+    optimizer."""
+    from pipeline_lib.distributed import DistributedPipe
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    balance = [layers // 2, layers - layers // 2]
+    pipe = DistributedPipe(model, mesh, balance, 2, "zb_v")
+    opt = optimizer(pipe.parameters(), lr=0.1)
+    x = torch.randn(4, width)
+    pipe.step(x, x, F.mse_loss)
+    opt.step()
+    return pipe, balance, opt
+
+
+@pytest.fixture
+def saved(mesh, tmp_path):
+    from pipeline_lib import run_state
+    run_state.save(tmp_path / "run", 1, *_trained(mesh))
+    return tmp_path / "run"
+
+
+def test_resume_refuses_a_checkpoint_of_a_deeper_model(mesh, saved):
+    """A 4-layer checkpoint loaded into a 2-layer model without a word: each rank checked
+    only that its own keys were there."""
+    from pipeline_lib import run_state
+    with pytest.raises(ValueError, match=r"has layers \[2, 3\] and this model only 2.*"
+                                         r"another model"):
+        run_state.resume(saved, *_trained(mesh, layers=2))
+
+
+def test_resume_names_another_width_as_another_model(mesh, saved):
+    from pipeline_lib import run_state
+    with pytest.raises(ValueError, match="does not fit stage 0: it was saved from another"):
+        run_state.resume(saved, *_trained(mesh, width=16))
+
+
+def test_resume_refuses_another_optimizer(mesh, saved):
+    """AdamW's settings loaded into SGD: 'momentum' was lost, and SGD.step raised
+    KeyError (or, without momentum, ran with AdamW's group settings)."""
+    from pipeline_lib import run_state
+    sgd = lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)  # noqa: E731
+    with pytest.raises(ValueError, match="holds AdamW's state.*is SGD: resume with AdamW"):
+        run_state.resume(saved, *_trained(mesh, optimizer=sgd))
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda d: (d / "latest").write_text(""), "names '', which is not a complete step folder"),
+    (lambda d: (d / "latest").write_text("step-000099"), "names 'step-000099'"),
+    (lambda d: (d / "step-000001" / "stage-1.pt").unlink(), "incomplete: .*stage-1.pt is missing"),
+    (lambda d: (d / "step-000001" / "stage-0.pt").write_bytes(b"junk"),
+     "stage-0.pt is damaged and cannot be read"),
+    (lambda d: (d / "step-000001" / "run.pt").write_bytes(b"junk"),
+     "run.pt is damaged and cannot be read"),
+])
+def test_a_damaged_checkpoint_is_named_file_by_file(mesh, saved, damage, match):
+    from pipeline_lib import run_state
+    damage(saved)
+    with pytest.raises((FileNotFoundError, RuntimeError), match=match):
+        run_state.resume(saved, *_trained(mesh))
+    with pytest.raises((FileNotFoundError, RuntimeError), match=match):
+        run_state.merged_state_dict(saved)
+
+
+def test_save_deletes_only_its_own_files_of_the_step_it_replaces(mesh, saved):
+    """It unlinked every entry of the old step folder (the learner's notes too) and
+    raised IsADirectoryError on a subfolder, after the new checkpoint was complete."""
+    from pipeline_lib import run_state
+    (saved / "step-000001" / "notes.txt").write_text("mine")
+    (saved / "step-000001" / "plots").mkdir()
+    run_state.save(saved, 2, *_trained(mesh))
+    assert (saved / "step-000001" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in (saved / "step-000001").iterdir()) == ["notes.txt", "plots"]
+    assert run_state.resume(saved, *_trained(mesh)) == 2
+
+
+@pytest.mark.parametrize("edited", [".", "../elsewhere"])
+def test_save_never_deletes_what_an_edited_latest_names(mesh, saved, edited):
+    """``latest`` reading ``../elsewhere`` deleted that folder's files and the folder."""
+    from pipeline_lib import run_state
+    elsewhere = saved.parent / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "run.pt").write_text("someone's")
+    (saved / "mine.txt").write_text("mine")
+    (saved / "latest").write_text(edited)
+    run_state.save(saved, 2, *_trained(mesh))
+    assert (elsewhere / "run.pt").read_text() == "someone's"
+    assert (saved / "mine.txt").read_text() == "mine"
+    assert run_state.resume(saved, *_trained(mesh)) == 2
+
+
+def test_save_names_a_file_in_the_way_and_a_bad_step(mesh, tmp_path):
+    from pipeline_lib import run_state
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(NotADirectoryError, match=f"{tmp_path / 'afile'} is a file, not a folder"):
+        run_state.save(tmp_path / "afile", 1, *_trained(mesh))
+    with pytest.raises(ValueError, match="whole number >= 0, not -1"):
+        run_state.save(tmp_path / "run", -1, *_trained(mesh))
