@@ -238,3 +238,53 @@ def test_save_names_a_file_in_the_way_and_a_bad_step(mesh, tmp_path):
         run_state.save(tmp_path / "afile", 1, *_trained(mesh))
     with pytest.raises(ValueError, match="whole number >= 0, not -1"):
         run_state.save(tmp_path / "run", -1, *_trained(mesh))
+
+
+# -- the simulator's validation ----------------------------------------------------------
+
+def test_per_stage_costs_as_a_dict_are_refused_not_read_as_their_keys():
+    """``forward={0: 1.0, 1: 2.0}`` has a length, and iterating it gives the keys: stage 1
+    cost 1 (its key) where 2 was meant, a silently shorter makespan."""
+    from pipeline_lib.schedules import build
+    from pipeline_lib.timeline import simulate
+    with pytest.raises(TypeError, match="forward must be a number or one number per stage"):
+        simulate(build("1f1b", 2, 4), forward={0: 1.0, 1: 2.0})
+    with pytest.raises(TypeError, match="weight must be a number or one number per stage"):
+        simulate(build("zb_h1", 2, 4), weight={0: 0.5, 1: 0.5})
+
+
+@pytest.mark.parametrize("placement", [(False, True), (0.0, 1.0)])
+def test_a_placement_of_non_int_ranks_is_refused(placement):
+    from pipeline_lib.schedules import Schedule, ScheduleError, build, validate
+    one_f = build("1f1b", 2, 4)
+    with pytest.raises(ScheduleError, match="must give a rank in 0..1 for each of the 2"):
+        validate(Schedule("mine", 2, 4, one_f.actions, placement=placement))
+
+
+@pytest.mark.parametrize("data, match", [
+    ({"ranks": 2}, "not a timeline: expected a dict with 'ranks'"),
+    ([1, 2], "not a timeline"),
+    ({"ranks": 2, "events": [[0, "0F0", 0.0, 1.0]]}, "event 0 .* needs the keys"),
+    ({"ranks": 1, "events": [dict(rank=1, stage=0, kind="F", microbatch=0, start=0.0,
+                                  end=1.0)]}, r"rank \(below 1\)"),
+    ({"ranks": 1, "events": [dict(rank=0, stage=0, kind="X", microbatch=0, start=0.0,
+                                  end=1.0)]}, "kind one of F, B, I, W"),
+    ({"ranks": 1, "events": [dict(rank=0, stage=0, kind="F", microbatch=0, start=2.0,
+                                  end=1.0)]}, "end >= start"),
+])
+def test_a_timeline_file_that_is_not_one_is_named(data, match):
+    """A hand-edited or truncated ``--timeline`` file raised KeyError/TypeError, or (end
+    before start) gave a bubble of 0 and negative busy times."""
+    from pipeline_lib.timeline import Timeline
+    with pytest.raises(ValueError, match=match):
+        Timeline.from_dict(data)
+
+
+def test_a_saved_timeline_reads_back_equal():
+    import json
+
+    from pipeline_lib.schedules import build
+    from pipeline_lib.timeline import Timeline, simulate
+    timeline = simulate(build("zb_v", 2, 4))
+    again = Timeline.from_dict(json.loads(json.dumps(timeline.to_dict())))
+    assert again == timeline
