@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pipeline_lib import Pipe
+from pipeline_lib import Pipe, SumCount
 from pipeline_lib.grad_clip import clip_grad_norm_
 
 
@@ -288,3 +288,39 @@ def test_a_saved_timeline_reads_back_equal():
     timeline = simulate(build("zb_v", 2, 4))
     again = Timeline.from_dict(json.loads(json.dumps(timeline.to_dict())))
     assert again == timeline
+
+
+# -- SumCount --------------------------------------------------------------------------
+
+def _sum_loss(count):
+    return lambda out, target: SumCount(F.mse_loss(out, target, reduction="sum"), count)
+
+
+def test_an_infinite_count_is_refused_not_a_loss_of_zero():
+    """count = inf passed `count >= 0`: the step returned 0.0 and zeroed the gradients."""
+    pipe = Pipe(_mlp(), balance=[2, 1], chunks=4)
+    with pytest.raises(ValueError, match="count is inf; .* a finite number >= 0"):
+        pipe.step(torch.randn(8, 4), torch.randn(8, 4), _sum_loss(math.inf))
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_a_complex_loss_is_named():
+    """It reached autograd: 'grad can be implicitly created only for real scalar outputs'."""
+    pipe = Pipe(_mlp(), balance=[2, 1], chunks=4)
+    complex_sum = lambda out, target: SumCount(  # noqa: E731
+        torch.complex(F.mse_loss(out, target, reduction="sum"), torch.tensor(0.0)), 4)
+    with pytest.raises(TypeError, match="a torch.complex64 loss; return a real floating"):
+        pipe.step(torch.randn(8, 4), torch.randn(8, 4), complex_sum)
+
+
+def test_sum_count_of_numpy_and_tensor_counts_equals_pytorch():
+    import numpy as np
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    plain = _mlp()
+    F.mse_loss(plain(x), y).backward()
+    for count in (np.int64(8), torch.tensor(8.0), torch.tensor(8, dtype=torch.int16)):
+        pipe = Pipe(_mlp(), balance=[2, 1], chunks=4)
+        loss = pipe.step(x, y, _sum_loss(count))   # 8 elements per micro-batch
+        assert loss.item() == pytest.approx(F.mse_loss(plain(x), y).item(), rel=1e-6)
+        for p, q in zip(pipe.parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
