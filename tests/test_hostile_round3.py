@@ -324,3 +324,30 @@ def test_sum_count_of_numpy_and_tensor_counts_equals_pytorch():
         assert loss.item() == pytest.approx(F.mse_loss(plain(x), y).item(), rel=1e-6)
         for p, q in zip(pipe.parameters(), plain.parameters()):
             torch.testing.assert_close(p.grad, q.grad)
+
+
+# -- tools/student.py: the learner's folder ----------------------------------------------
+
+def test_make_student_keeps_whatever_the_learner_has_under_a_notebooks_name(tmp_path, capsys):
+    """A folder, a file in another encoding, a link to nowhere: each stopped `make student`
+    with a traceback (IsADirectoryError, UnicodeDecodeError) before the rest were written,
+    or (the link) was replaced."""
+    import sys
+    from pathlib import Path
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    sys.path.insert(0, str(tools))
+    try:
+        from student import main as make_student
+    finally:
+        sys.path.remove(str(tools))
+    names = sorted(p.name for p in (tools.parent / "notebooks").glob("*.ipynb"))
+    (tmp_path / names[0]).mkdir()
+    (tmp_path / names[1]).write_bytes(b"\xff\xfe not utf-8")
+    (tmp_path / names[2]).symlink_to(tmp_path / "nowhere")
+    assert make_student([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for name in names[:3]:
+        assert f"kept {tmp_path / name}" in out
+    assert (tmp_path / names[0]).is_dir() and (tmp_path / names[2]).is_symlink()
+    assert (tmp_path / names[1]).read_bytes() == b"\xff\xfe not utf-8"
+    assert all((tmp_path / name).is_file() for name in names[3:])
