@@ -8,6 +8,7 @@ model's state dict. On disk::
     DIR/latest                      the name of the newest complete step folder
     DIR/step-000100/stage-3.pt      stage 3's weights and its parameters' optimizer state
     DIR/step-000100/run.pt          the step, the random state, optimizer settings
+    DIR/.lock                       held by the run saving here (`claimed`), if any
 
 Each stage's file is written by replica 0's rank holding it (the replicas hold equal
 copies), through a temporary file and ``os.replace``; ``latest`` moves to the new folder
@@ -23,12 +24,13 @@ another order: equal within float rounding.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import numbers
 import os
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,7 @@ from pipeline_lib.distributed.pipe import DistributedPipe
 
 LATEST = "latest"
 RUN = "run.pt"
+LOCK = ".lock"
 _STEP_FOLDER = re.compile(r"step-\d{6,}")
 
 
@@ -144,6 +147,30 @@ def _remove_step_folder(step_folder: Path) -> None:
         step_folder.rmdir()
     except OSError:
         pass
+
+
+@contextlib.contextmanager
+def claimed(folder: str | Path) -> Iterator[None]:
+    """Hold ``folder`` for one run's saves (call it on one rank, e.g. rank 0, around the
+    training loop). Two runs saving into one folder would each move ``latest`` to their
+    own step and delete the other's, or, at the same step, mix their stages' files: so a
+    second run is refused while the first holds the folder. An OS lock (``flock``) on
+    ``folder/.lock``, released when the process ends however it ends, so a killed run
+    leaves no stale claim."""
+    import fcntl   # POSIX only, as torchrun's multi-process jobs are here
+    folder = Path(folder)
+    handle = (folder / LOCK).open("a")
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"another run is saving into {folder} (it holds "
+                               f"{folder / LOCK}): two runs in one folder delete each "
+                               f"other's checkpoints; give this one another --save folder, "
+                               f"or wait for the other to end") from None
+        yield
+    finally:
+        handle.close()
 
 
 def _latest(folder: Path, missing_ok: bool = False) -> Path | None:

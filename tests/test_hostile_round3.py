@@ -3,6 +3,7 @@ each compared with plain PyTorch where a value is computed, each error checked f
 what was wrong and the fix."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -351,3 +352,31 @@ def test_make_student_keeps_whatever_the_learner_has_under_a_notebooks_name(tmp_
     assert (tmp_path / names[0]).is_dir() and (tmp_path / names[2]).is_symlink()
     assert (tmp_path / names[1]).read_bytes() == b"\xff\xfe not utf-8"
     assert all((tmp_path / name).is_file() for name in names[3:])
+
+
+def test_a_second_run_cannot_claim_a_folder_another_run_saves_into(tmp_path):
+    """Two runs saving into one folder each deleted the other's step folder when it moved
+    `latest`; `lm.train` now claims its --save folder on rank 0 for the whole run."""
+    from pipeline_lib import run_state
+    with run_state.claimed(tmp_path):
+        with pytest.raises(RuntimeError, match="another run is saving into .*another --save"):
+            with run_state.claimed(tmp_path):
+                pass
+    with run_state.claimed(tmp_path):   # released when the first run ended
+        pass
+
+
+def test_lm_train_claims_its_save_folder(tmp_path, monkeypatch):
+    """The claim is taken before the model is built: a second run fails at once."""
+    from pipeline_lib import run_state
+    from pipeline_lib.lm import train
+    monkeypatch.setattr(train, "process_group", lambda timeout: contextlib.nullcontext())
+    monkeypatch.setattr(train, "init_mesh", lambda *args: _Rank0())
+    monkeypatch.setattr(train, "_tokens", lambda *args: pytest.fail("the claim came late"))
+    with run_state.claimed(tmp_path):
+        with pytest.raises(RuntimeError, match="another run is saving into"):
+            train.main(["--save", str(tmp_path), "--synthetic", "10"])
+
+
+class _Rank0:
+    rank = 0

@@ -266,8 +266,10 @@ def _log(line: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
-    with process_group(timeout=args.timeout):
+    with process_group(timeout=args.timeout), contextlib.ExitStack() as held:
         mesh = init_mesh(args.pp, args.dp, args.timeout)
+        if args.save and mesh.rank == 0:
+            held.enter_context(run_state.claimed(args.save))
         source, valid, vocab = _tokens(args, mesh.rank)
         seed_everything(args.seed)
         model = transformer_lm(vocab, args.preset)
