@@ -380,3 +380,41 @@ def test_lm_train_claims_its_save_folder(tmp_path, monkeypatch):
 
 class _Rank0:
     rank = 0
+
+
+# -- lm.loops ----------------------------------------------------------------------------
+
+def _tiny_lm() -> nn.Sequential:
+    from pipeline_lib.lm.model import transformer_lm
+    torch.manual_seed(0)
+    return transformer_lm(20, d_model=16, nhead=2, d_hid=16, nlayers=1, dropout=0.0)
+
+
+@pytest.mark.parametrize("clip", [0, -1.0, math.nan, True])
+def test_make_step_refuses_a_clip_that_stops_or_reverses_training(clip):
+    """clip=0 scaled every gradient to 0 (the weights never moved); clip=-1 flipped their
+    sign (gradient ascent); both without a word."""
+    from pipeline_lib.lm.loops import make_step
+    model = _tiny_lm()
+    with pytest.raises(ValueError, match="clip must be a max norm > 0 .* or None"):
+        make_step(model, torch.optim.SGD(model.parameters(), lr=0.1), clip)
+
+
+@pytest.mark.parametrize("bptt", [0, -1])
+def test_the_loops_refuse_a_bptt_below_one(bptt):
+    """0 raised 'range() arg 3 must not be zero'; -1 trained on nothing and evaluate
+    returned (nan, nan) as if the model were a non-final pipeline rank."""
+    from pipeline_lib.lm.loops import evaluate, train_epoch
+    model, source = _tiny_lm(), torch.randint(0, 20, (4, 30))
+    with pytest.raises(ValueError, match="bptt must be a whole number >= 1"):
+        evaluate(model, source, bptt)
+    with pytest.raises(ValueError, match="bptt must be a whole number >= 1"):
+        train_epoch(model, source, bptt, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_fit_on_a_source_with_no_batch_says_so():
+    """fit divided by the number of steps, 0: ZeroDivisionError."""
+    from pipeline_lib.lm.loops import fit
+    source = torch.randint(0, 20, (4, 30))
+    with pytest.raises(ValueError, match=r"source \(4, 1\) holds no batch.*n >= 2"):
+        fit(_tiny_lm(), source[:, :1], source, bptt=5, progress=False)
