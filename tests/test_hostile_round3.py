@@ -440,3 +440,22 @@ def test_no_stage_thread_outlives_a_step():
         pipe.step(torch.randn(8, 4), torch.randn(8, 4), F.mse_loss)
         assert not [t.name for t in threading.enumerate()
                     if t.name.startswith("pipeline-rank")]
+
+
+# -- tools/lab.py ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spelling", ["--ServerApp.port=99999", "--NotebookApp.port=99999"])
+def test_lab_checks_the_port_in_jupyters_own_spelling_too(spelling, monkeypatch, capsys):
+    """Passed through unchecked, 99999 wrapped to 34463: the printed URL served nothing."""
+    import os
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    try:
+        import lab
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(os, "execv", lambda *args: pytest.fail("Jupyter was started"))
+    with pytest.raises(SystemExit):
+        lab.main([spelling])
+    assert f"give the port as --port N (1 to 65535), not {spelling}" in capsys.readouterr().err
