@@ -75,7 +75,7 @@ def test_two_ranks_train_and_save_the_last_logged_timeline(tmp_path, schedule, a
     (["--timeline", "/proc/x/timeline.json"], "folder /proc/x does not exist"),
     (["--timeline", "/proc/timeline.json"], "--timeline /proc/timeline.json: cannot write in /proc"),
     (["--save", "/proc/run"], "--save /proc/run: cannot create the folder"),
-    (["--clip", "-1"], "--clip must be at least 0 (0 turns clipping off)"),
+    (["--clip", "-1"], "--clip: must be a number at least 0, not '-1': 0 turns clipping off"),
 ])
 def test_paths_and_values_that_cannot_work_are_refused_before_training(flags, message, capsys):
     """Even for root, whom permission bits never stop: /proc takes no new files."""

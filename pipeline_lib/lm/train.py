@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import tempfile
 import time
@@ -37,7 +38,7 @@ from pipeline_lib.distributed import DistributedPipe, init_mesh, process_group
 from pipeline_lib.grad_clip import clip_grad_norm_
 from pipeline_lib.lm.data import batchify, get_batch, load_wikitext2
 from pipeline_lib.lm.loops import batch_starts, lm_loss, lr_at, seed_everything
-from pipeline_lib.lm.model import transformer_lm
+from pipeline_lib.lm.model import PRESETS, transformer_lm
 from pipeline_lib.lm.pipeline_eval import evaluate_pipeline
 from pipeline_lib.partition import balance_by_params, balance_by_time
 from pipeline_lib.schedules import BUILDERS, stages_per_rank
@@ -61,6 +62,22 @@ def _at_least_zero(what: str) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}: 0 "
                                              f"{what}")
         return int(text)
+    return parse
+
+
+def _number_in(low: float, high: float, fix: str, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a number in ``[low, high]`` (``(low, high]`` if ``low_open``),
+    NaN refused: a NaN rate or norm would turn every weight into NaN without an error."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (low < value if low_open else low <= value) or not value <= high:
+            where = f"{'above' if low_open else 'at least'} {low:g}" + (
+                f" and at most {high:g}" if high != math.inf else "")
+            raise argparse.ArgumentTypeError(f"must be a number {where}, not {text!r}: {fix}")
+        return value
     return parse
 
 
@@ -96,23 +113,28 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="sequence length")
     parser.add_argument("--steps", type=_at_least_one("train for at least one step"),
                         default=100)
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    parser.add_argument("--lr", type=_number_in(0, math.inf, "1e-3 is the default", True),
+                        default=1e-3, help="peak learning rate (AdamW)")
     parser.add_argument("--warmup", type=_at_least_zero("starts at the peak rate"),
                         default=10, help="steps of linear learning-rate warmup")
-    parser.add_argument("--lr-floor", type=float, default=0.1, help="the cosine decay ends "
+    parser.add_argument("--lr-floor", type=_number_in(0, 1, "a fraction of --lr; 0.1 is the "
+                        "default"), default=0.1, help="the cosine decay ends "
                         "at this fraction of --lr at the last step")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                         help="bf16: autocast to bfloat16 (weights and optimizer stay float32; "
                         "activations, and the messages between stages, are bfloat16)")
-    parser.add_argument("--clip", type=float, default=0.5, metavar="MAX_NORM",
+    parser.add_argument("--clip", type=_number_in(0, math.inf, "0 turns clipping off, 0.5 is "
+                        "the seeds'"), default=0.5, metavar="MAX_NORM",
                         help="clip the whole model's gradient norm (summed over the pipeline's "
                         "ranks) to MAX_NORM, as the seed tutorials do; 0 turns clipping off")
-    parser.add_argument("--preset", default="cpu", help="pipeline_lib.lm.model.PRESETS")
+    parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS),
+                        help="pipeline_lib.lm.model.PRESETS")
     parser.add_argument("--balance", choices=["time", "params"], default="time",
                         help="split stages by measured time or by parameter count")
     parser.add_argument("--checkpoint", choices=["always", "except_last", "never"],
                         default="never")
-    parser.add_argument("--synthetic", type=int, metavar="VOCAB", default=None,
+    parser.add_argument("--synthetic", metavar="VOCAB", default=None,
+                        type=_at_least_one("the vocabulary's size, e.g. 1000"),
                         help="random tokens from a VOCAB-word vocabulary, not WikiText-2")
     parser.add_argument("--timeline", default=None,
                         help="save the last logged step's timeline here (JSON)")
@@ -122,7 +144,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "evaluates only after the last step"), help="steps between validation losses")
     parser.add_argument("--eval-steps", default=20, type=_at_least_one(
         "1 evaluates on one batch"), help="validation batches per evaluation")
-    parser.add_argument("--peak-tflops", type=float, default=None,
+    parser.add_argument("--peak-tflops", default=None, type=_number_in(
+                        0, math.inf, "the device's peak, e.g. 989 for an H100 in bf16", True),
                         help="the peak TFLOP/s of one process's device in --dtype (e.g. 989 "
                         "for an H100's bf16): logs the model FLOPs utilisation (MFU)")
     parser.add_argument("--save", type=Path, default=None, metavar="DIR",
@@ -133,11 +156,16 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resume", type=Path, default=None, metavar="DIR",
                         help="go on from the newest checkpoint in DIR, up to --steps in all")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=300.0,
+    parser.add_argument("--timeout", default=300.0, type=_number_in(
+                        0, math.inf, "300 is the default", True),
                         help="seconds any single wait may take before it is an error")
     args = parser.parse_args(argv)
-    if args.clip < 0:
-        parser.error(f"--clip must be at least 0 (0 turns clipping off), not {args.clip:g}")
+    if args.batch < args.dp * args.chunks:
+        parser.error(f"--batch {args.batch} rows cannot give {args.dp} replica(s) "
+                     f"{args.chunks} micro-batches of at least one row each: use --batch "
+                     f">= {args.dp * args.chunks} (--dp x --chunks) or fewer --chunks")
+    if args.save_every and not args.save:
+        parser.error(f"--save-every {args.save_every} saves nowhere without --save DIR")
     if args.timeline:   # fail now, not at the first log step after minutes of training
         folder = Path(args.timeline).absolute().parent
         if Path(args.timeline).is_dir():
@@ -157,6 +185,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.resume and not (args.resume / run_state.LATEST).is_file():
         parser.error(f"--resume {args.resume}: no checkpoint there ({run_state.LATEST} is "
                      f"missing); give the folder of an earlier run's --save")
+    if args.save and (args.save / run_state.LATEST).is_file() and not (
+            args.resume and args.resume.resolve() == args.save.resolve()):
+        # the first save would replace the checkpoint there, and delete its step folder
+        parser.error(f"--save {args.save} already holds another run's checkpoint, which "
+                     f"this run's first save would delete: go on from it with --resume "
+                     f"{args.save}, or save into an empty folder")
     return args
 
 
@@ -232,8 +266,10 @@ def _log(line: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
-    with process_group(timeout=args.timeout):
+    with process_group(timeout=args.timeout), contextlib.ExitStack() as held:
         mesh = init_mesh(args.pp, args.dp, args.timeout)
+        if args.save and mesh.rank == 0:
+            held.enter_context(run_state.claimed(args.save))
         source, valid, vocab = _tokens(args, mesh.rank)
         seed_everything(args.seed)
         model = transformer_lm(vocab, args.preset)
