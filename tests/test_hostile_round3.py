@@ -422,14 +422,6 @@ def test_fit_on_a_source_with_no_batch_says_so():
 
 # -- a script that ends right after a step ---------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "threaded/threads.py run_programs waits for each stage thread's `finished` Event, set "
-    "in the worker's `finally`, but never joins the (daemon) threads: step returns while "
-    "they are still tearing down their C++ thread state, and a script that ends right "
-    "after a step aborts at exit with 'terminate called without an active exception' "
-    "(exit 134) in about half the runs (5 of 8 seen, 2 cores). Fix: after the flags are "
-    "set, join the started threads (their work is done, so a Ctrl-C in that join loses "
-    "nothing); with that, 12 of 12 runs exited 0 and no thread outlived a step."))
 def test_no_stage_thread_outlives_a_step():
     """Right after `step` returns, no stage thread runs (19 of 20 steps left one alive):
     the cause of the abort at exit, checked in-process, without timing luck."""
