@@ -95,8 +95,8 @@ def test_clip_can_refuse_a_nonfinite_norm_leaving_the_gradients():
     (["--timeout", "0"], "--timeout: must be a number above 0"),
     (["--synthetic", "0"], "--synthetic: must be a whole number of at least 1"),
     (["--preset", "huge"], "--preset: invalid choice: 'huge'"),
-    (["--batch", "16", "--chunks", "100"], "use --batch >= 100 (--dp x --chunks)"),
-    (["--batch", "4", "--dp", "8", "--chunks", "1"], "use --batch >= 8"),
+    (["--batch", "16", "--microbatches", "100"], "use --batch >= 100 (--dp x --microbatches)"),
+    (["--batch", "4", "--dp", "8", "--microbatches", "1"], "use --batch >= 8"),
     (["--save-every", "5"], "--save-every 5 saves nowhere without --save DIR"),
 ])
 def test_train_refuses_values_that_train_wrongly_before_starting(flags, message, capsys):

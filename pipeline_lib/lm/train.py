@@ -1,6 +1,6 @@
 """The multi-process training program: the Transformer LM on a ``dp x pp`` mesh.
 
-    torchrun --nproc_per_node 4 -m pipeline_lib.lm.train --pp 2 --dp 2 --schedule 1f1b --chunks 4
+    torchrun --nproc_per_node 4 -m pipeline_lib.lm.train --pp 2 --dp 2 --schedule 1f1b --microbatches 4
 
 Every rank runs this same program; `pipeline_lib.distributed.DistributedPipe` decides
 which stages it holds. The loops it shares with single-process training live in
@@ -25,6 +25,7 @@ import math
 import os
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
@@ -93,6 +94,20 @@ def _writable_folder(parser: argparse.ArgumentParser, flag: str, folder: Path) -
                      f"path in a folder you can write to")
 
 
+class _OldNameWarns(argparse.Action):
+    """Stores the value; given under an old option name (the first is the current one),
+    warns that the old name goes in the next release (a `FutureWarning`: the one Python
+    shows the person at the command line, not only developers)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        if option_string != self.option_strings[0]:
+            warnings.warn(f"{option_string} is deprecated and will be removed in the next "
+                          f"release; use {self.option_strings[0]}", FutureWarning,
+                          stacklevel=2)
+        setattr(namespace, self.dest, values)
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="torchrun --nproc_per_node N -m pipeline_lib.lm.train",
@@ -105,7 +120,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--schedule", choices=sorted(BUILDERS), default="1f1b")
     parser.add_argument("--virtual-stages", type=_at_least_one("2 is the usual choice"),
                         default=2, help="stages per rank, for interleaved_1f1b")
-    parser.add_argument("--chunks", default=4, help="micro-batches per replica",
+    parser.add_argument("--microbatches", "--chunks", dest="microbatches", default=4,
+                        action=_OldNameWarns, help="micro-batches per replica (--chunks is "
+                        "its old name, deprecated)",
                         type=_at_least_one("1 sends each replica's batch whole, unsplit"))
     parser.add_argument("--batch", type=_at_least_one("the global batch, in rows"),
                         default=16, help="global batch (rows)")
@@ -160,10 +177,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         0, math.inf, "300 is the default", True),
                         help="seconds any single wait may take before it is an error")
     args = parser.parse_args(argv)
-    if args.batch < args.dp * args.chunks:
+    if args.batch < args.dp * args.microbatches:
         parser.error(f"--batch {args.batch} rows cannot give {args.dp} replica(s) "
-                     f"{args.chunks} micro-batches of at least one row each: use --batch "
-                     f">= {args.dp * args.chunks} (--dp x --chunks) or fewer --chunks")
+                     f"{args.microbatches} micro-batches of at least one row each: use --batch "
+                     f">= {args.dp * args.microbatches} (--dp x --microbatches) or fewer "
+                     f"--microbatches")
     if args.save_every and not args.save:
         parser.error(f"--save-every {args.save_every} saves nowhere without --save DIR")
     if args.timeline:   # fail now, not at the first log step after minutes of training
@@ -276,10 +294,10 @@ def main(argv: list[str] | None = None) -> None:
         parameters = sum(p.numel() for p in model.parameters())
         stages = args.pp * stages_per_rank(args.schedule, args.virtual_stages)
         precision = _precision(args.dtype, mesh.device)
-        rows = max(1, args.batch // (args.dp * args.chunks))   # one micro-batch
+        rows = max(1, args.batch // (args.dp * args.microbatches))   # one micro-batch
         sample = tuple(t[:rows] for t in get_batch(source, 0, args.bptt))
         balance = _balance(model, sample, stages, args.balance, mesh.device, precision)
-        pipe = DistributedPipe(model, mesh, balance, args.chunks, args.schedule, args.checkpoint)
+        pipe = DistributedPipe(model, mesh, balance, args.microbatches, args.schedule, args.checkpoint)
         del model   # this rank keeps only its stages
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
         done = run_state.resume(args.resume, pipe, balance, optimizer) if args.resume else 0
@@ -292,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
                              f"and this run has {len(starts)}: raise --steps to go on")
         if mesh.rank == logger:
             _log(f"{pipe.schedule.name}: {args.pp} pipeline ranks x {args.dp} replicas, "
-                 f"stages {balance} (by {args.balance} on {mesh.device}), {args.chunks} "
+                 f"stages {balance} (by {args.balance} on {mesh.device}), {args.microbatches} "
                  f"micro-batches, {args.dtype}, {parameters:,} parameters"
                  + (f", resumed after step {done}" if args.resume else ""))
         bar = tqdm(range(done, len(starts)), desc="train", initial=done, total=len(starts),
