@@ -24,7 +24,7 @@ from pipeline_lib.executor import Received
 from pipeline_lib.schedules import Action
 from pipeline_lib.skip import SkipError, SkipKey, SkipRoute, describe
 from pipeline_lib.thread_state import ThreadState
-from pipeline_lib.threaded.interrupts import interrupts_held, wait_until_set
+from pipeline_lib.interrupts import interrupts_held, wait_until_set
 
 
 class PipelineAborted(RuntimeError):
