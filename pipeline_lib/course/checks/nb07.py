@@ -16,6 +16,7 @@ inside ``exercise("Exercise 7.N (...)")``, which prefixes the exercise's name.
 from __future__ import annotations
 
 from collections.abc import Callable
+from numbers import Real
 from typing import Any
 
 from pipeline_lib.course.exercises import ExerciseFailed, withheld
@@ -62,7 +63,7 @@ def _describe(model: Model, layout: Layout) -> str:
 
 
 def _close(value: Any, reference: float) -> bool:
-    return isinstance(value, (int, float)) and abs(value / reference - 1) < 1e-6
+    return isinstance(value, Real) and abs(value / reference - 1) < 1e-6
 
 
 def _state_slip(key: str, ratio: float, params: float, embedding: float, tp: int) -> str:
@@ -120,7 +121,7 @@ def check_stage_memory(stage_memory: Callable[[Model, Layout], dict[str, float]]
             mine = stage_memory(model, layout)
         _check(isinstance(mine, dict) and set(mine) == set(KEYS),
                f"return a dict with exactly the keys {sorted(KEYS)}, got {mine!r}")
-        _check(all(isinstance(mine[key], (int, float)) for key in KEYS),
+        _check(all(isinstance(mine[key], Real) for key in KEYS),
                f"{case}: each value must be a number of bytes, got {mine!r}")
         params = expected.weights / 2
         embedding = model.vocab * model.hidden / layout.tp
