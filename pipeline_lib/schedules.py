@@ -523,7 +523,8 @@ def _check_placement(schedule: Schedule) -> None:
     p, S = schedule.ranks, schedule.stages
     if schedule.placement is None:
         return
-    if len(schedule.placement) != S or not all(0 <= r < p for r in schedule.placement):
+    if len(schedule.placement) != S or not all(_is_count(r) and 0 <= r < p
+                                               for r in schedule.placement):
         raise ScheduleError(f"{schedule.name}: placement {list(schedule.placement)} must give "
                             f"a rank in 0..{p - 1} for each of the {S} stages")
     idle = [r for r in range(p) if r not in schedule.placement]
