@@ -67,7 +67,7 @@ def test_5_1_graders_cost_model_is_withheld():
 E52 = "Exercise 5.2 (bytes per step, counted)"
 
 
-def step_bytes(stages, micro_batch, chunks, dp, *, ring=True, both_ways=True, size=None,
+def step_bytes(stages, micro_batch, microbatches, dp, *, ring=True, both_ways=True, size=None,
                per_micro_batch=False):
     factor = 2 * (dp - 1) / dp if ring else 1
     all_reduce = [factor * sum(p.numel() * (size or p.element_size()) for p in s.parameters())
@@ -76,7 +76,7 @@ def step_bytes(stages, micro_batch, chunks, dp, *, ring=True, both_ways=True, si
     with torch.no_grad():
         for stage in stages[:-1]:
             x = stage(x)
-            boundary.append((2 if both_ways else 1) * (1 if per_micro_batch else chunks)
+            boundary.append((2 if both_ways else 1) * (1 if per_micro_batch else microbatches)
                             * x.numel() * (size or x.element_size()))
     return all_reduce, boundary
 

@@ -154,7 +154,7 @@ def check_5_1(place_ranks: Callable[..., Any], namespace: dict[str, Any] | None 
 # -- 5.2: bytes per step, counted --------------------------------------------------------------
 
 def cases_5_2() -> dict[str, tuple[list[nn.Module], Tensor, int, list[int], list[int], int]]:
-    """name: (stages, micro-batch, chunks, parameters per stage, values per activation at
+    """name: (stages, micro-batch, micro-batches, parameters per stage, values per activation at
     each boundary, bytes per value): a small Transformer LM cut in two, and a 3-stage
     float64 MLP (8-byte values: an answer that assumes 4 bytes fails)."""
     from pipeline_lib.lm.model import transformer_lm
@@ -176,9 +176,9 @@ def cases_5_2() -> dict[str, tuple[list[nn.Module], Tensor, int, list[int], list
 def check_5_2(step_bytes: Callable[..., Any], namespace: dict[str, Any] | None = None) -> None:
     """Exercise 5.2: the bytes match the parameter counts and activation shapes, for
     ``dp`` = 2 and 4, 4-byte and 8-byte values."""
-    for name, (stages, micro, chunks, params, widths, size) in cases_5_2().items():
+    for name, (stages, micro, microbatches, params, widths, size) in cases_5_2().items():
         for dp in (2, 4):
-            all_reduce, boundary = step_bytes(stages, micro, chunks, dp)
+            all_reduce, boundary = step_bytes(stages, micro, microbatches, dp)
             _require(len(all_reduce) == len(stages) and len(boundary) == len(stages) - 1,
                      f"{name}: {len(stages)} stages have {len(stages)} all-reduces and "
                      f"{len(stages) - 1} boundaries, got {len(all_reduce)} and {len(boundary)}")
@@ -188,10 +188,10 @@ def check_5_2(step_bytes: Callable[..., Any], namespace: dict[str, Any] | None =
                          f"{name}, dp = {dp}: all_reduce[{s}] is {got:,.0f} bytes, expected "
                          f"{want:,.0f}: 2(dp − 1)/dp × {params[s]:,} gradients × {size} bytes")
             for s, got in enumerate(boundary):
-                want = 2 * chunks * widths[s] * size
+                want = 2 * microbatches * widths[s] * size
                 _require(math.isclose(got, want),
                          f"{name}: boundary[{s}] is {got:,.0f} bytes, expected {want:,.0f}: "
-                         f"2 (forward and backward) × {chunks} micro-batches × "
+                         f"2 (forward and backward) × {microbatches} micro-batches × "
                          f"{widths[s]:,} values × {size} bytes")
 
 
