@@ -15,6 +15,8 @@ across ranks, which would otherwise be counted once per rank holding them.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,17 +25,23 @@ from torch import Tensor, nn
 from pipeline_lib.distributed.pipe import DistributedPipe
 
 
-def clip_grad_norm_(model: nn.Module | DistributedPipe, max_norm: float,
-                    norm_type: float = 2.0) -> Tensor:
-    """Scale the gradients of ``model`` (a `Pipe`, any module, or this rank's share of a
-    `DistributedPipe`, on every rank of the job) so that the whole model's gradient norm is
-    at most ``max_norm``; return that norm before clipping, as a float32 tensor. Call it
-    after the step's backward (``pipe.step``) and before ``optimizer.step()``."""
+def clip_grad_norm_(model: nn.Module | DistributedPipe | Tensor | Iterable[Tensor],
+                    max_norm: float, norm_type: float | str = 2.0,
+                    error_if_nonfinite: bool = False) -> Tensor:
+    """Scale the gradients of ``model`` (a `Pipe`, any module, this rank's share of a
+    `DistributedPipe` on every rank of the job, or, as PyTorch's function takes them,
+    parameters: one tensor or an iterable of them) so that the whole model's gradient
+    norm is at most ``max_norm``; return that norm before clipping, as a float32 tensor.
+    Call it after the step's backward (``pipe.step``) and before ``optimizer.step()``.
+    ``error_if_nonfinite``: raise, leaving the gradients as they were, if the norm is inf
+    or NaN (as PyTorch's does); otherwise they become NaN, as PyTorch's would."""
+    max_norm = _number("max_norm", max_norm)
     if not max_norm > 0:
         raise ValueError(f"max_norm must be positive, got {max_norm}: the seeds' recipe uses 0.5")
+    norm_type = _number("norm_type", norm_type)
     if not (norm_type == math.inf or norm_type >= 1):
         raise ValueError(f"norm_type must be at least 1 or math.inf, got {norm_type}")
-    params = list(model.parameters())
+    params = _parameters(model)
     grads = [p.grad for p in params if p.grad is not None]
     group = model.mesh.pipe_group if isinstance(model, DistributedPipe) else None
     device = model.mesh.device if isinstance(model, DistributedPipe) else (
@@ -50,5 +58,38 @@ def clip_grad_norm_(model: nn.Module | DistributedPipe, max_norm: float,
         dist.all_reduce(total, group=group)
         total = total ** (1.0 / norm_type)
     total = total.float()
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total {norm_type}-norm of the gradients is {total.item()}, "
+                           f"so they cannot be clipped (the gradients are left as they "
+                           f"were): look for the step whose loss went inf or NaN, e.g. a "
+                           f"learning rate too high or a log of 0")
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
+
+
+def _number(name: str, value: Any) -> float:
+    """A float from a float, an int, a one-element tensor or a numeric string ("inf", as
+    PyTorch takes it), else an error naming the argument; a bool is a flag, refused."""
+    if isinstance(value, bool) or (isinstance(value, Tensor) and value.numel() != 1):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number (e.g. 0.5, or math.inf for norm_type), "
+                        f"got {value!r}") from None
+
+
+def _parameters(model: Any) -> list[Tensor]:
+    """What to clip: a module's (or `DistributedPipe`'s) parameters, or the parameters
+    given as PyTorch's ``clip_grad_norm_`` takes them. A generator is read once, here."""
+    if isinstance(model, (nn.Module, DistributedPipe)):
+        return list(model.parameters())
+    if isinstance(model, Tensor):
+        return [model]
+    if isinstance(model, Iterable) and not isinstance(model, (str, bytes, dict)):
+        params = list(model)
+        if all(isinstance(p, Tensor) for p in params):
+            return params
+    raise TypeError(f"clip_grad_norm_ takes a Pipe, a DistributedPipe, a module, or its "
+                    f"parameters (a tensor or an iterable of tensors), got "
+                    f"{type(model).__name__}")

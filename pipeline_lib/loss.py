@@ -76,6 +76,9 @@ def micro_loss(result: Any, microbatch: int, need_grad: bool, output: Any = None
         raise TypeError(f"{where}; return a tensor computed from the model's output: a "
                         f"mean-reduced scalar, or SumCount(loss_sum, count). A Python "
                         f"number (from .item() or float()) carries no gradient")
+    if not loss.is_floating_point():
+        raise TypeError(f"{where}, a {loss.dtype} loss; return a real floating-point tensor "
+                        f"(a complex or integer loss has no gradient to descend)")
     if loss.numel() != 1:
         raise ValueError(f"{where}, a loss of shape {list(loss.shape)}; return a scalar: "
                          f"its mean over the micro-batch, or SumCount(loss.sum(), count)")
@@ -102,9 +105,9 @@ def micro_loss(result: Any, microbatch: int, need_grad: bool, output: Any = None
         raise TypeError(f"{where}: SumCount's count must be a number or a one-element "
                         f"tensor, not {type(count).__name__}")
     value = count.item()
-    if not value >= 0:
+    if not 0 <= value < math.inf:
         raise ValueError(f"{where}: SumCount's count is {value}; a count is how many "
-                         f"elements the sum adds up, a number >= 0")
+                         f"elements the sum adds up, a finite number >= 0")
     return loss.reshape(()), count
 
 

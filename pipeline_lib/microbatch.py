@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from pipeline_lib import tree
+from pipeline_lib.deprecation import renamed_keywords
 
 
 @dataclass(frozen=True)
@@ -71,13 +72,14 @@ def check_rows(inputs: Any, target: Any) -> None:
                          f"both the same batch size")
 
 
-def split(batch: Any, chunks: int) -> list[Any]:
-    """Split into ``chunks`` micro-batches of as equal sizes as possible, each with the
-    batch's structure.
+@renamed_keywords(chunks="microbatches")
+def split(batch: Any, microbatches: int) -> list[Any]:
+    """Split into ``microbatches`` micro-batches of as equal sizes as possible, each with
+    the batch's structure.
 
-    Uneven splits are allowed (10 rows in 4 chunks: 3, 3, 2, 2), but every micro-batch
-    gets at least one row: a batch with fewer rows than ``chunks`` is an error, since an
-    empty micro-batch would give a mean loss of NaN.
+    Uneven splits are allowed (10 rows in 4 micro-batches: 3, 3, 2, 2), but every
+    micro-batch gets at least one row: a batch with fewer rows than ``microbatches`` is an
+    error, since an empty micro-batch would give a mean loss of NaN.
 
     Each micro-batch's tensors are copies, not views of the batch's. Views of one tensor
     share its version counter, so a first layer working in place
@@ -88,30 +90,32 @@ def split(batch: Any, chunks: int) -> list[Any]:
     image batch: less than one layer's activations) and also leaves the caller's tensor
     as it was. The copies keep autograd's link to the batch (``torch.clone``).
 
-    A `Presplit` batch is returned as its micro-batches, whatever ``chunks`` says.
+    A `Presplit` batch is returned as its micro-batches, whatever ``microbatches`` says.
     """
     if isinstance(batch, Presplit):
         return list(batch)
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
+    if (isinstance(microbatches, bool) or not isinstance(microbatches, int)
+            or microbatches < 1):
+        raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
     size = rows(batch)
     if size == 0:
         raise ValueError(f"the batch has 0 rows (dim 0 of its tensors is 0): there is "
-                         f"nothing to split into {chunks} micro-batches; pass at least "
-                         f"{chunks} rows (an empty last batch of a data loader: drop it, "
-                         f"e.g. DataLoader(..., drop_last=True))")
-    if size < chunks:
-        raise ValueError(f"a batch of {size} rows cannot be split into {chunks} "
-                         f"micro-batches; use chunks <= {size} or a larger batch")
+                         f"nothing to split into {microbatches} micro-batches; pass at "
+                         f"least {microbatches} rows (an empty last batch of a data loader: "
+                         f"drop it, e.g. DataLoader(..., drop_last=True))")
+    if size < microbatches:
+        raise ValueError(f"a batch of {size} rows cannot be split into {microbatches} "
+                         f"micro-batches; use at most {size} micro-batches or a larger batch")
     columns = []
     for leaf in tree.leaves(batch):
         if isinstance(leaf, NoChunk):
-            columns.append([leaf.tensor] * chunks)
+            columns.append([leaf.tensor] * microbatches)
         elif isinstance(leaf, Tensor) and leaf.dim() > 0:
-            columns.append([part.clone() for part in torch.tensor_split(leaf, chunks)])
+            columns.append([part.clone() for part in torch.tensor_split(leaf, microbatches)])
         else:
-            columns.append([leaf] * chunks)
-    return [tree.unflatten([column[k] for column in columns], batch) for k in range(chunks)]
+            columns.append([leaf] * microbatches)
+    return [tree.unflatten([column[k] for column in columns], batch)
+            for k in range(microbatches)]
 
 
 def gather(outputs: Sequence[Any]) -> Any:

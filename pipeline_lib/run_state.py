@@ -8,6 +8,7 @@ model's state dict. On disk::
     DIR/latest                      the name of the newest complete step folder
     DIR/step-000100/stage-3.pt      stage 3's weights and its parameters' optimizer state
     DIR/step-000100/run.pt          the step, the random state, optimizer settings
+    DIR/.lock                       held by the run saving here (`claimed`), if any
 
 Each stage's file is written by replica 0's rank holding it (the replicas hold equal
 copies), through a temporary file and ``os.replace``; ``latest`` moves to the new folder
@@ -23,10 +24,13 @@ another order: equal within float rounding.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import numbers
 import os
+import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,6 +41,8 @@ from pipeline_lib.distributed.pipe import DistributedPipe
 
 LATEST = "latest"
 RUN = "run.pt"
+LOCK = ".lock"
+_STEP_FOLDER = re.compile(r"step-\d{6,}")
 
 
 def _stage_file(stage: int) -> str:
@@ -84,11 +90,20 @@ def save(folder: str | Path, step: int, pipe: DistributedPipe, balance: Sequence
          optimizer: torch.optim.Optimizer) -> Path:
     """Save the run after ``step`` optimizer steps into ``folder``; every rank must call it.
     Returns the step's folder."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise ValueError(f"step must be the number of optimizer steps run, a whole number "
+                         f">= 0, not {step!r}")
     folder = Path(folder)
     target = folder / f"step-{step:06d}"
     mesh = pipe.mesh
     if mesh.rank == 0:
-        target.mkdir(parents=True, exist_ok=True)
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            blocker = next(p for p in [target, *target.parents] if p.exists())
+            raise NotADirectoryError(f"cannot save into {folder}: {blocker} is a file, not "
+                                     f"a folder; give a folder's path (a new one is "
+                                     f"created)") from None
     dist.barrier()
     if mesh.replica == 0:
         names = full_names(pipe, balance)
@@ -106,7 +121,8 @@ def save(folder: str | Path, step: int, pipe: DistributedPipe, balance: Sequence
         groups = [{k: v for k, v in g.items() if k != "params"}
                   for g in optimizer.param_groups]
         _write_atomically({"step": step, "rng": torch.get_rng_state(), "groups": groups,
-                           "stages": pipe.schedule.stages}, target / RUN)
+                           "stages": pipe.schedule.stages,
+                           "optimizer": type(optimizer).__name__}, target / RUN)
     dist.barrier()   # every stage written: only now may `latest` point here
     if mesh.rank == 0:
         previous = _latest(folder, missing_ok=True)
@@ -114,31 +130,93 @@ def save(folder: str | Path, step: int, pipe: DistributedPipe, balance: Sequence
         latest.write_text(target.name)
         os.replace(latest, folder / LATEST)
         if previous is not None and previous != target:
-            for old in previous.iterdir():
-                old.unlink()
-            previous.rmdir()
+            _remove_step_folder(previous)
     return target
 
 
+def _remove_step_folder(step_folder: Path) -> None:
+    """Delete a superseded step folder: only the files `save` writes, and the folder if
+    that empties it. Whatever else is there is someone's (a learner's notes), and the new
+    checkpoint is already complete, so a file that will not go is left, not raised."""
+    for name in [RUN, *(p.name for p in step_folder.glob("stage-*.pt"))]:
+        try:
+            (step_folder / name).unlink(missing_ok=True)
+        except OSError:
+            pass
+    try:
+        step_folder.rmdir()
+    except OSError:
+        pass
+
+
+@contextlib.contextmanager
+def claimed(folder: str | Path) -> Iterator[None]:
+    """Hold ``folder`` for one run's saves (call it on one rank, e.g. rank 0, around the
+    training loop). Two runs saving into one folder would each move ``latest`` to their
+    own step and delete the other's, or, at the same step, mix their stages' files: so a
+    second run is refused while the first holds the folder. An OS lock (``flock``) on
+    ``folder/.lock``, released when the process ends however it ends, so a killed run
+    leaves no stale claim."""
+    import fcntl   # POSIX only, as torchrun's multi-process jobs are here
+    folder = Path(folder)
+    handle = (folder / LOCK).open("a")
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"another run is saving into {folder} (it holds "
+                               f"{folder / LOCK}): two runs in one folder delete each "
+                               f"other's checkpoints; give this one another --save folder, "
+                               f"or wait for the other to end") from None
+        yield
+    finally:
+        handle.close()
+
+
 def _latest(folder: Path, missing_ok: bool = False) -> Path | None:
+    """The step folder ``folder/latest`` names. With ``missing_ok``, None when there is
+    no valid one (for `save`, which replaces it): a name that is not a step folder of
+    ``folder`` (an edited ``latest``: ``.``, ``../x``) is never one to delete."""
     marker = folder / LATEST
     if not marker.is_file():
         if missing_ok:
             return None
         raise FileNotFoundError(f"{folder} holds no checkpoint ({marker} is missing): give "
                                 f"the folder a run saved into with --save")
-    return folder / marker.read_text().strip()
+    name = marker.read_text().strip()
+    if not _STEP_FOLDER.fullmatch(name) or not (folder / name / RUN).is_file():
+        if missing_ok:
+            return None
+        raise FileNotFoundError(f"{marker} names {name!r}, which is not a complete step "
+                                f"folder of {folder} (no {name or '?'}/{RUN}): the checkpoint "
+                                f"was moved or edited; write the name of a step-NNNNNN "
+                                f"folder there that holds {RUN}")
+    return folder / name
+
+
+def _load(path: Path, **kwargs: Any) -> Any:
+    """``torch.load`` of a checkpoint file, failing with the file's name and what to do."""
+    try:
+        return torch.load(path, weights_only=True, **kwargs)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"the checkpoint is incomplete: {path} is missing (was the "
+                                f"folder copied in part?); copy it back, or resume from "
+                                f"another checkpoint") from None
+    except Exception as exc:  # noqa: BLE001 - whatever a damaged file makes torch.load raise
+        raise RuntimeError(f"the checkpoint file {path} is damaged and cannot be read "
+                           f"({str(exc).splitlines()[0][:120]}); resume from another "
+                           f"copy of the run's --save folder") from None
 
 
 def _read(folder: str | Path) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, dict]]:
     """The newest checkpoint in ``folder``: its run record, every stage's weights and every
     parameter's optimizer state, by unpipelined names."""
     step_folder = _latest(Path(folder))
-    run = torch.load(step_folder / RUN, weights_only=True)
+    run = _load(step_folder / RUN)
     weights: dict[str, Tensor] = {}
     moments: dict[str, dict] = {}
     for s in range(run["stages"]):
-        part = torch.load(step_folder / _stage_file(s), weights_only=True, mmap=True)
+        part = _load(step_folder / _stage_file(s), mmap=True)
         weights.update(part["weights"])
         moments.update(part["optimizer"])
     return run, weights, moments
@@ -157,15 +235,35 @@ def resume(folder: str | Path, pipe: DistributedPipe, balance: Sequence[int],
     balance, schedule) may differ from the saved run's; the model may not."""
     run, weights, moments = _read(folder)
     names = full_names(pipe, balance)
+    another = (f"it was saved from another model; resume with the same --preset and "
+               f"data")
+    beyond = sorted({int(k.partition(".")[0]) for k in weights} - set(range(sum(balance))))
+    if beyond:   # each rank sees only its layers: layers past the model's end are extra
+        raise ValueError(f"the checkpoint in {folder} has layers {beyond[:3]}"
+                         f"{' ...' if len(beyond) > 3 else ''} and this model only "
+                         f"{sum(balance)}: {another}")
     for s, module in pipe.modules.items():
         wanted = names[s]
         missing = [full for full in wanted.values() if full not in weights]
-        if missing:
-            raise ValueError(f"the checkpoint in {folder} has no {missing[:3]}"
-                             f"{' ...' if len(missing) > 3 else ''}: it was saved from "
-                             f"another model; resume with the same --preset and data")
-        _unwrapped(module).load_state_dict({local: weights[full]
-                                            for local, full in wanted.items()})
+        layers = {full.partition(".")[0] for full in wanted.values()}
+        extra = [k for k in weights if k.partition(".")[0] in layers
+                 and k not in wanted.values()]
+        if missing or extra:
+            raise ValueError(f"the checkpoint in {folder} "
+                             + (f"has no {missing[:3]}{' ...' if len(missing) > 3 else ''}"
+                                if missing else f"has {extra[:3]}, which this model lacks")
+                             + f": {another}")
+        try:
+            _unwrapped(module).load_state_dict({local: weights[full]
+                                                for local, full in wanted.items()})
+        except RuntimeError as exc:   # shapes: another width or vocabulary
+            raise ValueError(f"the checkpoint in {folder} does not fit stage {s}: {another}"
+                             f"\n{exc}") from None
+    saved_optimizer = run.get("optimizer", type(optimizer).__name__)
+    if saved_optimizer != type(optimizer).__name__:
+        raise ValueError(f"the checkpoint in {folder} holds {saved_optimizer}'s state and "
+                         f"settings, and this run's optimizer is "
+                         f"{type(optimizer).__name__}: resume with {saved_optimizer}")
     by_id = _param_names(pipe, balance)
     if len(run["groups"]) != len(optimizer.param_groups):
         raise ValueError(f"the checkpoint's optimizer had {len(run['groups'])} parameter "

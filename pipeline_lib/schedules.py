@@ -431,25 +431,21 @@ def stages_per_rank(name: str, virtual_stages: int = 2) -> int:
     return virtual_stages if name in LOOPED else 1
 
 
-def ranks_for(name: str, stages: int) -> int:
-    """How many ranks ``stages`` stages take under the named schedule when nothing else
-    says (`plan` without ``ranks``): one stage per rank, or two where it runs several."""
-    per_rank = stages_per_rank(name)
-    if stages % per_rank:
-        raise ValueError(f"{name} puts {per_rank} stages on each device, so it needs an "
-                         f"even number of stages, not {stages}")
-    return stages // per_rank
-
-
 @renamed_keywords(pp="ranks")
 def plan(schedule: str | Schedule, ranks: int | None, stages: int,
          microbatches: int) -> Schedule:
     """The schedule for ``stages`` stages on ``ranks`` ranks: built by name (looped
     schedules put ``stages // ranks`` on each rank, V-shaped ones 2), or checked against
-    the sizes. ``ranks=None``: as many as the schedule says (a `Schedule`'s own, or
-    `ranks_for` the name)."""
-    if ranks is None:
-        ranks = schedule.ranks if isinstance(schedule, Schedule) else ranks_for(schedule, stages)
+    the sizes. ``ranks=None``: as many as the schedule says (a `Schedule`'s own; for a
+    name, one stage per rank, or `stages_per_rank` where it runs several)."""
+    if ranks is None and isinstance(schedule, Schedule):
+        ranks = schedule.ranks
+    elif ranks is None:
+        per_rank = stages_per_rank(schedule)
+        if stages % per_rank:
+            raise ValueError(f"{schedule} puts {per_rank} stages on each device, so it needs "
+                             f"an even number of stages, not {stages}")
+        ranks = stages // per_rank
     if isinstance(schedule, str):
         if schedule in LOOPED and stages % ranks:
             raise ValueError(f"{schedule} puts the same number of stages on every "
@@ -527,7 +523,8 @@ def _check_placement(schedule: Schedule) -> None:
     p, S = schedule.ranks, schedule.stages
     if schedule.placement is None:
         return
-    if len(schedule.placement) != S or not all(0 <= r < p for r in schedule.placement):
+    if len(schedule.placement) != S or not all(_is_count(r) and 0 <= r < p
+                                               for r in schedule.placement):
         raise ScheduleError(f"{schedule.name}: placement {list(schedule.placement)} must give "
                             f"a rank in 0..{p - 1} for each of the {S} stages")
     idle = [r for r in range(p) if r not in schedule.placement]

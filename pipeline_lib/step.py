@@ -9,7 +9,7 @@ only the last two differ in what they ask of the other ranks:
 2. make a `StageRunner` per stage (`make_runners`);
 3. set ``.grad`` aside, run the programs, and either commit the step's gradients scaled
    for the batch's loss or, if anything failed or was interrupted, restore ``.grad`` as
-   it was (`train_step`), each of them whole (see `threaded.interrupts`);
+   it was (`train_step`), each of them whole (see `interrupts`);
 4. add the micro-batches' losses into the batch's (`local_loss`).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pipeline_lib import tree
 from pipeline_lib.loss import MicroLoss, StepGradients, check_count, total_count
 from pipeline_lib.microbatch import NoChunk, check_rows, loss_weights, split
 from pipeline_lib.stage import LossFn, RandomStream, StageRunner
-from pipeline_lib.threaded.interrupts import interrupts_held
+from pipeline_lib.interrupts import interrupts_held
 
 
 def _among(batch: Any, replicas: int) -> list[Any]:

@@ -10,7 +10,7 @@ import numbers
 from collections import defaultdict
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from pipeline_lib.schedules import (Action, Schedule, cycle_collector_paused, destination,
                                     execution_order)
@@ -120,8 +120,16 @@ class Timeline:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Timeline":
-        events = [Event(d["rank"], Action(d["stage"], d["kind"], d["microbatch"]),
-                        d["start"], d["end"]) for d in data["events"]]
+        """The inverse of `to_dict` (a saved ``--timeline`` file, read back with
+        ``json.load``); a file that is not one is refused, naming the first bad entry."""
+        fix = "give the dict Timeline.to_dict made (what lm.train --timeline writes)"
+        if not isinstance(data, Mapping) or not isinstance(data.get("events"), list) or \
+                not _is_index(data.get("ranks")) or data["ranks"] < 1:
+            raise ValueError(f"not a timeline: expected a dict with 'ranks' (an int >= 1) "
+                             f"and 'events' (a list); {fix}")
+        events = []
+        for k, d in enumerate(data["events"]):
+            events.append(_event_from_dict(d, data["ranks"], f"event {k} ({d!r:.80})", fix))
         return cls(data["ranks"], events, data.get("unit", "s"), data.get("title", ""))
 
     def shifted(self) -> "Timeline":
@@ -129,6 +137,27 @@ class Timeline:
         t0 = min((e.start for e in self.events), default=0.0)
         events = [Event(e.rank, e.action, e.start - t0, e.end - t0) for e in self.events]
         return Timeline(self.ranks, events, self.unit, self.title)
+
+
+def _is_index(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _event_from_dict(d: Any, ranks: int, where: str, fix: str) -> Event:
+    keys = ("rank", "stage", "kind", "microbatch", "start", "end")
+    if not isinstance(d, Mapping) or any(k not in d for k in keys):
+        raise ValueError(f"{where} needs the keys {list(keys)}; {fix}")
+    if not all(_is_index(d[k]) and d[k] >= 0 for k in ("rank", "stage", "microbatch")) \
+            or d["rank"] >= ranks or d["kind"] not in ("F", "B", "I", "W"):
+        raise ValueError(f"{where}: rank (below {ranks}), stage and microbatch must be ints "
+                         f">= 0 and kind one of F, B, I, W; {fix}")
+    times = (d["start"], d["end"])
+    if not all(isinstance(t, numbers.Real) and not isinstance(t, bool) and math.isfinite(t)
+               for t in times) or d["end"] < d["start"]:
+        raise ValueError(f"{where}: start and end must be finite numbers, end >= start; "
+                         f"{fix}")
+    return Event(d["rank"], Action(d["stage"], d["kind"], d["microbatch"]),
+                 float(d["start"]), float(d["end"]))
 
 
 Cost = float | Sequence[float]
@@ -146,8 +175,11 @@ def _check_cost(value: object, what: str) -> float:
 def _per_stage(cost: Cost, stages: int, name: str) -> list[float]:
     if isinstance(cost, numbers.Real):
         return [_check_cost(cost, name)] * stages
-    if isinstance(cost, (str, bytes)) or not hasattr(cost, "__len__"):
-        raise TypeError(f"{name} must be a number or one number per stage, got {cost!r}")
+    if isinstance(cost, (str, bytes, Mapping)) or not hasattr(cost, "__len__"):
+        # a dict has a length too, and iterating it gives its keys: {0: 1.0, 1: 2.0}
+        # would cost stage 1 one unit, its key, not two
+        raise TypeError(f"{name} must be a number or one number per stage, got {cost!r}: "
+                        f"give a sequence with stage s's cost at index s")
     if len(cost) != stages:
         raise ValueError(f"{name} has {len(cost)} per-stage costs, expected {stages}")
     return [_check_cost(c, f"{name}[{s}]") for s, c in enumerate(cost)]

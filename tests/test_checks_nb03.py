@@ -2,6 +2,7 @@
 answers and the library shortcut each fail with the exercise's own message."""
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import statistics
@@ -124,6 +125,64 @@ def greedy_below_share(costs, stages):
     return balance + [count]
 
 
+def every_balance(layers, stages):
+    for cuts in itertools.combinations(range(1, layers), stages - 1):
+        bounds = [0, *cuts, layers]
+        yield [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def smallest_spread(costs, stages):
+    """The "most even" stages: the smallest gap between the slowest and the fastest."""
+    return min(every_balance(len(costs), stages),
+               key=lambda b: max(stage_costs(costs, b)) - min(stage_costs(costs, b)))
+
+
+def smallest_variance(costs, stages):
+    """The "most even" stages: the smallest sum of squared stage costs (their sum is
+    fixed, so the smallest variance), by dynamic programming: fast enough for 3.2."""
+    n, prefix = len(costs), list(itertools.accumulate(costs, initial=0))
+
+    @functools.lru_cache(maxsize=None)
+    def best(start, left):
+        if left == 1:
+            return (prefix[n] - prefix[start]) ** 2, (n - start,)
+        return min(((prefix[end] - prefix[start]) ** 2 + best(end, left - 1)[0],
+                    (end - start, *best(end, left - 1)[1]))
+                   for end in range(start + 1, n - left + 2))
+    return list(best(0, stages)[1])
+
+
+def whole_number_search(costs, stages):
+    """Binary search on the slowest stage stepping by whole numbers, as for integer costs:
+    right on LONG_COSTS's first two, wrong for times in seconds."""
+    def stages_needed(limit):
+        count, load = 1, 0
+        for c in costs:
+            if load + c > limit:
+                count, load = count + 1, 0
+            load += c
+        return count
+
+    lo, hi = max(costs), sum(costs)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if stages_needed(mid) <= stages:
+            hi = mid
+        else:
+            lo = mid + 1
+    balance, load = [], 0
+    for i, c in enumerate(costs):
+        must_close = len(costs) - i <= stages - len(balance)
+        if balance and balance[-1] and (load + c > lo or must_close):
+            balance.append(0)
+            load = 0
+        if not balance:
+            balance.append(0)
+        load += c
+        balance[-1] += 1
+    return balance
+
+
 def shortcut(costs, stages):
     return optimal_split(costs, stages)
 
@@ -136,12 +195,22 @@ def test_the_designed_costs_defeat_every_rule_by_a_margin():
             assert max(stage_costs(costs, rule(list(costs), stages))) >= 1.09 * best, rule
 
 
+def test_the_designed_costs_defeat_the_most_even_balances():
+    """The first cost vectors cannot tell "most even" from "slowest stage smallest"."""
+    for costs, stages, rules, margin in [(nb03.UNEVEN_COSTS[-1], 3,
+                                          (smallest_spread, smallest_variance), 1.25),
+                                         (nb03.LONG_COSTS[-1], 8, (smallest_variance,), 1.05)]:
+        best = max(stage_costs(costs, optimal_split(costs, stages)))
+        for rule in rules:
+            assert max(stage_costs(costs, rule(list(costs), stages))) >= margin * best, rule
+
+
 def test_3_1_solution_passes(capsys):
     passes(EX31, lambda: nb03.check_fastest_balance(brute_force, MEASURED, 2), capsys)
 
 
 @pytest.mark.parametrize("wrong", [last_alone, even_counts, greedy_at_share,
-                                   greedy_below_share])
+                                   greedy_below_share, smallest_spread, smallest_variance])
 def test_3_1_wrong_answers_fail(wrong):
     message = fails(EX31, lambda: nb03.check_fastest_balance(wrong, MEASURED, 2))
     assert "slowest stage" in message
@@ -189,7 +258,7 @@ def test_3_2_the_dynamic_program_passes(capsys):
 
 
 @pytest.mark.parametrize("wrong", [last_alone, even_counts, greedy_at_share,
-                                   greedy_below_share])
+                                   greedy_below_share, smallest_variance, whole_number_search])
 def test_3_2_wrong_answers_fail(wrong):
     fails(EX32, lambda: nb03.check_partitioner(wrong))
 

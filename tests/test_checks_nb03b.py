@@ -77,6 +77,8 @@ def test_3b_1_solution_passes(capsys):
     (start_class(), end_class(lambda x, skip: x), "residual block's, block(h) + h"),
     (start_class(lambda x, y: y), end_class(), "residual block's, block(h) + h"),
     (start_class(lambda x, y: x.detach()), end_class(), "before.weight's gradient"),
+    (start_class(), end_class(lambda x, skip: x + skip.detach()), "before.weight's gradient"),
+    (start_class(), end_class(lambda x, skip: x - skip), "residual block's, block(h) + h"),
     (AttributeStart, AttributeEnd, "does not declare stash=['skip']"),
     (start_class(), AttributeEnd, "does not declare pop=['skip']"),
 ])
@@ -155,7 +157,16 @@ def test_3b_2_wrong_answers_fail(wrong, says):
     assert says in fails(EX2, lambda: nb03b.check_running_means(wrong))
 
 
-@pytest.mark.parametrize("answer", [shortcut, shortcut_pipe])
+def shortcut_classic_deferred(x, chunks, momentum):
+    """The classic API's DeferredBatchNorm, a subclass of pipeline_lib's: a class of its own."""
+    from pipeline_lib.sync.batchnorm import DeferredBatchNorm
+    norm = DeferredBatchNorm(x.size(1), momentum=momentum, chunks=chunks)
+    for micro in x.chunk(chunks):
+        norm(micro)
+    return solution(x, chunks, momentum)[0], norm.running_mean.clone()
+
+
+@pytest.mark.parametrize("answer", [shortcut, shortcut_pipe, shortcut_classic_deferred])
 def test_3b_2_shortcuts_fail(answer):
     assert "which computes the very answer" in fails(
         EX2, lambda: nb03b.check_running_means(answer, namespace=globals()))

@@ -41,8 +41,11 @@ def test_5_1_solution_passes():
     (lambda a, p, f, s: DDP_IN, "communicate"),                      # always DDP inside
     (lambda a, p, f, s: PIPES_IN if a > p else DDP_IN, "communicate"),   # backwards
     (lambda a, p, f, s: DDP_IN if a > 10 * p else PIPES_IN, "communicate"),  # rule of thumb
+    (lambda a, p, f, s: DDP_IN if 2 * a > p else PIPES_IN, "communicate"),   # ring bytes x2
+    (lambda a, p, f, s: DDP_IN if a > 2 * p else PIPES_IN, "communicate"),   # both ways x2
     (lambda a, p, f, s: (DDP_IN[0], DDP_IN[0]), "DDP group s holds stage s"),
-], ids=["pipelines inside", "DDP inside", "backwards", "ten times rule", "not a grid"])
+], ids=["pipelines inside", "DDP inside", "backwards", "ten times rule", "all-reduce doubled",
+        "pipeline doubled", "not a grid"])
 def test_5_1_wrong_answers_fail(answer, says):
     fails(check_5_1, answer, says, E51)
 
@@ -64,7 +67,7 @@ def test_5_1_graders_cost_model_is_withheld():
 E52 = "Exercise 5.2 (bytes per step, counted)"
 
 
-def step_bytes(stages, micro_batch, chunks, dp, *, ring=True, both_ways=True, size=None,
+def step_bytes(stages, micro_batch, microbatches, dp, *, ring=True, both_ways=True, size=None,
                per_micro_batch=False):
     factor = 2 * (dp - 1) / dp if ring else 1
     all_reduce = [factor * sum(p.numel() * (size or p.element_size()) for p in s.parameters())
@@ -73,7 +76,7 @@ def step_bytes(stages, micro_batch, chunks, dp, *, ring=True, both_ways=True, si
     with torch.no_grad():
         for stage in stages[:-1]:
             x = stage(x)
-            boundary.append((2 if both_ways else 1) * (1 if per_micro_batch else chunks)
+            boundary.append((2 if both_ways else 1) * (1 if per_micro_batch else microbatches)
                             * x.numel() * (size or x.element_size()))
     return all_reduce, boundary
 
@@ -152,6 +155,26 @@ def test_5_3_library_clip_is_withheld():
         return clip_grad_norm_(torch.nn.ParameterList(params), max_norm)
 
     fails(check_5_3, via_library, "computes the very answer", E53)
+
+
+def test_5_3_torch_clip_is_withheld():
+    """Averaged, then PyTorch's one-process clip over replica 0's whole gradient."""
+    def via_torch(grads, max_norm):
+        dp, pp = len(grads), len(grads[0])
+        keys = [(s, name) for s in range(pp) for name in grads[0][s]]
+        params = {}
+        for s, name in keys:
+            mean = sum(grads[d][s][name] for d in range(dp)) / dp
+            params[s, name] = torch.nn.Parameter(torch.zeros_like(mean))
+            params[s, name].grad = mean
+        norm = torch.nn.utils.clip_grad_norm_(list(params.values()), max_norm)
+        for d in range(dp):
+            for s, name in keys:
+                grads[d][s][name] = params[s, name].grad.clone()
+        return norm
+
+    fails(check_5_3, via_torch, "whole model's norm in one process", E53)
+    assert torch.nn.utils.clip_grad_norm_.__module__ == "torch.nn.utils.clip_grad"  # restored
 
 
 # -- the placement cost model of exercise 5.1 --------------------------------------------------

@@ -16,7 +16,7 @@ from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.schedules import build
 from pipeline_lib.lm.loops import lm_loss
 
-PP, DP, CHUNKS, STEPS, LR = 2, 2, 3, 3, 0.5
+PP, DP, MICROBATCHES, STEPS, LR = 2, 2, 3, 3, 0.5
 MODEL = dict(vocab_size=50, d_model=16, nhead=2, d_hid=32, nlayers=2, dropout=0.0)
 SCHEDULE = "gpipe"
 
@@ -29,7 +29,7 @@ def make_setup(**options) -> Setup:
     batches = [tuple(torch.randint(0, MODEL["vocab_size"], (2, 12, 5), generator=g))
                for _ in range(STEPS)]
     return Setup(pp=PP, dp=DP, model_config=MODEL, state_dict=model.state_dict(),
-                 balance=[2, 2], chunks=CHUNKS, schedule=SCHEDULE, lr=LR, batches=batches,
+                 balance=[2, 2], microbatches=MICROBATCHES, schedule=SCHEDULE, lr=LR, batches=batches,
                  **options)
 
 
@@ -129,7 +129,7 @@ def test_replicas_stay_identical_and_their_losses_average_to_the_global_one(job)
 
 def test_gradients_are_all_reduced_once_per_step_during_the_last_backward(job):
     _, records = job
-    schedule = build(SCHEDULE, PP, CHUNKS)
+    schedule = build(SCHEDULE, PP, MICROBATCHES)
     for r in records:
         last_backward = [a for a in schedule.actions[r.pipe_rank] if a.kind == "B"][-1]
         assert [a.step for a in r.all_reduces] == list(range(STEPS))   # one bucket each
@@ -139,7 +139,7 @@ def test_gradients_are_all_reduced_once_per_step_during_the_last_backward(job):
 def test_last_step_timeline_puts_every_rank_on_one_axis(job):
     _, records = job
     timeline, syncs = last_step_timeline(records)
-    programs = build(SCHEDULE, PP, CHUNKS).actions
+    programs = build(SCHEDULE, PP, MICROBATCHES).actions
     assert timeline.ranks == PP * DP
     assert len(timeline.events) == sum(len(programs[r % PP]) for r in range(PP * DP))
     assert min(e.start for e in timeline.events) == 0.0

@@ -192,8 +192,8 @@ def test_killed_rank_is_reported_lost_not_as_the_failure_of_the_rank_that_notice
 def test_ranks_given_different_mesh_arguments_are_named():
     output = failing_run(2, "--scenario", "mesh_args")
     assert ("the ranks were given different init_mesh arguments: rank 0 has {'pp': 2, "
-            "'dp': 1, 'timeout': 60.0}; rank 1 has {'pp': 1, 'dp': 2, 'timeout': 60.0}"
-            in output)
+            "'dp': 1, 'timeout': 60.0, 'order': 'replica-major'}; rank 1 has {'pp': 1, "
+            "'dp': 2, 'timeout': 60.0, 'order': 'replica-major'}" in output)
 
 
 def test_ranks_running_different_step_counts_are_named():

@@ -9,7 +9,6 @@ from __future__ import annotations
 import builtins
 import errno
 import io
-import os
 import re
 import sys
 from pathlib import Path
@@ -19,7 +18,6 @@ import pytest
 from nbclient import NotebookClient
 
 from conftest import notebook_needs_wikitext
-from pipeline_lib.course.exercises import ExerciseFailed
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -170,127 +168,6 @@ def test_withheld_refuses_a_module_without_functions(monkeypatch):
     with pytest.raises(ValueError, match="defines no functions"):
         with withheld("pipeline_lib._empty"):
             pass
-
-
-# Notebook 07's checks against plausible wrong answers: each is our solution with one
-# slip a learner makes (or a call of the planner function that is the answer), and each
-# must fail with its exercise's name and a message that names the slip.
-
-PLANNING = ROOT / "notebooks" / "07_planning_a_real_run.ipynb"
-
-
-class Exercises:
-    """A notebook run up to its exercises in one namespace (every code cell that is not a
-    solution, a check or a widget), with its solution and check cells by grade_id."""
-
-    def __init__(self, path: Path):
-        import matplotlib
-        import matplotlib.pyplot as plt
-
-        matplotlib.use("Agg")
-        nb = nbformat.read(path, as_version=4)
-        self.source = {nbgrader(c)["grade_id"]: c.source for c in nb.cells if nbgrader(c)}
-        self.namespace: dict = {}
-        here = Path.cwd()
-        os.chdir(path.parent)                      # where the notebook runs
-        try:
-            for cell in nb.cells:
-                if cell.cell_type != "code" or nbgrader(cell) \
-                        or "nbval-ignore-output" in cell.metadata.get("tags", []):
-                    continue
-                code = "\n".join(line for line in cell.source.splitlines()
-                                 if not line.startswith("%"))
-                exec(compile(code, f"{path.name} cell", "exec"), self.namespace)
-                plt.close("all")
-        finally:
-            os.chdir(here)
-
-    def check(self, exercise: str, solution: str) -> None:
-        """Define ``solution`` (source) and run the exercise's check cell on it."""
-        namespace = dict(self.namespace)
-        exec(solution, namespace)
-        exec(self.source[f"ex-{exercise}-check"], namespace)
-
-    def solution(self, exercise: str) -> str:
-        return self.source[f"ex-{exercise}-solution"]
-
-
-@pytest.fixture(scope="module")
-def planning():
-    return Exercises(PLANNING)
-
-
-def slipped(solution: str, old: str, new: str) -> str:
-    assert solution.count(old) == 1, f"the solution no longer has {old!r}"
-    return solution.replace(old, new)
-
-
-def test_planning_checks_pass_our_solutions(planning):
-    for exercise in ("7-1", "7-2"):
-        planning.check(exercise, planning.solution(exercise))
-
-
-STAGE_MEMORY_SLIPS = {   # name: (old, new, what the message must say)
-    "no embedding": ("+ model.vocab * model.hidden", "", "vocabulary embedding"),
-    "Adam's moments forgotten": ("optimizer = 12 * params", "optimizer = 4 * params",
-                                 "12 bytes per parameter"),
-    "one micro-batch in flight": ("activations = in_flight * layers * per_layer",
-                                  "activations = layers * per_layer",
-                                  "one micro-batch's worth"),
-    "GPipe's m in flight": ("simulate(one_f_one_b(layout.pp, layout.microbatches))"
-                            ".peak_in_flight()[0]", "layout.microbatches",
-                            "as GPipe keeps them"),
-    "no recomputed layer": ("activations += ", "activations += 0 * ",
-                            "without the layer being recomputed"),
-    "not split over t": ("/ layout.tp\n", "\n", "Divide by the 8 tensor-parallel GPUs"),
-}
-
-
-@pytest.mark.parametrize("slip", list(STAGE_MEMORY_SLIPS))
-def test_stage_memory_check_names_each_slip(planning, slip):
-    old, new, says = STAGE_MEMORY_SLIPS[slip]
-    with pytest.raises(ExerciseFailed, match=r"^Exercise 7\.1 \(one stage's memory\): ") as failed:
-        planning.check("7-1", slipped(planning.solution("7-1"), old, new))
-    assert says in str(failed.value), str(failed.value)
-
-
-@pytest.mark.parametrize("answer, says", [
-    ("def stage_memory(model, layout):\n"
-     "    memory = predict(model, CLUSTER, layout).memory\n"
-     "    return {k: getattr(memory, k) for k in ('weights', 'gradients', 'optimizer',"
-     " 'activations')}\n", "calls `predict`"),
-    ("def stage_memory(model, layout):\n"
-     "    from pipeline_lib.plan.memory import layer_activation_bytes\n"
-     "    return layer_activation_bytes(model, CLUSTER, layout)\n",
-     "calls `layer_activation_bytes`")])
-def test_stage_memory_check_refuses_the_planner(planning, answer, says):
-    with pytest.raises(ExerciseFailed, match=r"^Exercise 7\.1 .*" + re.escape(says)):
-        planning.check("7-1", answer)
-
-
-FASTER_LAYOUT_SLIPS = {   # name: (the returned layout, what the message must say)
-    "the published layout": ("published", "it must be faster"),
-    "tensor parallel across nodes": ("replace(published, tp=16, pp=published.pp // 2)",
-                                     "its tensor-parallel group leaves the node"),
-    "all data parallel": ("replace(published, pp=1, dp=published.dp * published.pp)",
-                          "more than the 80 GiB there is"),
-    "twice the GPUs": ("replace(published, dp=2 * published.dp)", "the published run has"),
-    "the planner's search": ("search(model, cluster, published.gpus, "
-                             "published.global_batch).best.layout", "calls `search`"),
-}
-
-
-@pytest.mark.parametrize("slip", list(FASTER_LAYOUT_SLIPS))
-def test_faster_layout_check_names_each_slip(planning, slip):
-    returned, says = FASTER_LAYOUT_SLIPS[slip]
-    answer = ("def faster_layout(model, cluster, published):\n"
-              "    from dataclasses import replace\n"
-              "    from pipeline_lib.plan import search\n"
-              f"    return {returned}\n")
-    with pytest.raises(ExerciseFailed, match=r"^Exercise 7\.2 \(a layout that beats the "
-                                             r"published one\): ") as failed:
-        planning.check("7-2", answer)
-    assert says in str(failed.value), str(failed.value)
 
 
 def test_make_student_again_keeps_the_learners_answers(tmp_path, capsys):

@@ -59,3 +59,34 @@ def test_the_old_keyword_for_microbatches_still_works_with_a_warning_naming_the_
             pytest.raises(NotImplementedError):
         DistributedPipe(nn.Sequential(Stash(), nn.Linear(4, 4), Pop()), NoMesh(), [1, 1, 1],
                         chunks=2)
+
+
+def test_pipe_inside_ddp_with_several_micro_batches_is_refused_naming_the_executors(
+        tmp_path):
+    """DDP all-reduces a gradient when it is first accumulated; `Pipe`'s backward
+    accumulates it once per micro-batch, so DDP would average partial sums. One
+    micro-batch, or evaluation without grad, is exact and allowed."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from pipeline_lib import Pipe
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}",
+                            rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        layers = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        x = torch.randn(6, 4)
+        with pytest.raises(RuntimeError, match="DistributedPipe.*sync.Pipe"):
+            DistributedDataParallel(Pipe(layers, chunks=2, balance=[2, 1]))(x)
+        one = DistributedDataParallel(Pipe(layers, chunks=1, balance=[2, 1]))
+        one(x).sum().backward()
+        expected = [p.grad.clone() for p in layers.parameters()]
+        for p in layers.parameters():
+            p.grad = None
+        layers(x).sum().backward()
+        assert all(torch.allclose(e, p.grad) for e, p in zip(expected, layers.parameters()))
+        with torch.no_grad():
+            DistributedDataParallel(Pipe(layers, chunks=2, balance=[2, 1]))(x)
+    finally:
+        dist.destroy_process_group()

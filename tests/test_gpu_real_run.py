@@ -110,7 +110,7 @@ def test_a_run_resumed_on_gpus_continues(resumed, uninterrupted):
 
 def test_the_training_program_on_two_gpus(tmp_path):
     """bf16, clipping, balance timed on the GPU, validation over NCCL, save and resume."""
-    common = ["--synthetic", "50", "--batch", "8", "--bptt", "16", "--chunks", "2",
+    common = ["--synthetic", "50", "--batch", "8", "--bptt", "16", "--microbatches", "2",
               "--log-every", "1", "--eval-steps", "2", "--timeout", "120"]
     first = torchrun("pipeline_lib.lm.train", ["--pp", "2", "--dtype", "bf16", "--clip", "0.5",
                                                "--steps", "3", "--save", tmp_path, *common],

@@ -25,7 +25,7 @@ def test_tuples_nochunk_and_plain_values_are_replicated():
 
 def test_batch_smaller_than_chunks_is_a_clear_error():
     with pytest.raises(ValueError, match="a batch of 3 rows cannot be split into 4 "
-                                         "micro-batches; use chunks <= 3"):
+                                         "micro-batches; use at most 3 micro-batches"):
         split(torch.zeros(3, 2), 4)
 
 
@@ -158,5 +158,11 @@ def test_an_inplace_first_layer_on_stage_0(balance, schedule, checkpoint):
 @pytest.mark.parametrize("chunks", [True, 2.0])
 def test_chunks_must_be_an_int(chunks):
     """tensor_split's own error listed its overloads."""
-    with pytest.raises(ValueError, match=r"chunks must be an int >= 1, got (True|2.0)"):
+    with pytest.raises(ValueError, match=r"microbatches must be an int >= 1, got (True|2.0)"):
         split(torch.zeros(4, 2), chunks)
+
+
+def test_the_old_keyword_chunks_still_splits_and_names_the_new_one():
+    with pytest.warns(DeprecationWarning, match=r"split\(chunks=\.\.\.\).*microbatches="):
+        parts = split(torch.arange(6), chunks=3)
+    assert [p.tolist() for p in parts] == [[0, 1], [2, 3], [4, 5]]

@@ -67,7 +67,7 @@ def test_error_messages_are_exact():
         "in NoChunk)")
     with pytest.raises(ValueError) as info:
         split(torch.zeros(4, 2), 0)
-    assert str(info.value) == "chunks must be an int >= 1, got 0"
+    assert str(info.value) == "microbatches must be an int >= 1, got 0"
 
 
 def test_gather_names_what_differs_between_microbatches():

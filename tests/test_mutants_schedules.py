@@ -8,7 +8,7 @@ import pytest
 
 from pipeline_lib.schedules import (BUILDERS, LOOPED, V_SHAPED, Action, Schedule,
                                     ScheduleError, build, dependencies, destination,
-                                    interleaved_1f1b, one_f_one_b, plan, ranks_for, rounds,
+                                    interleaved_1f1b, one_f_one_b, plan, rounds,
                                     splits_backward, stages_per_rank, validate, v_shape)
 from pipeline_lib.timeline import simulate
 
@@ -92,10 +92,10 @@ def test_stage_placement_helpers():
     assert v_shape(3) == (0, 1, 2, 2, 1, 0)
     assert [stages_per_rank(n) for n in ("1f1b", "zb_v", "interleaved_1f1b")] == [1, 2, 2]
     assert stages_per_rank("looped_bfs", 3) == 3 and stages_per_rank("dualpipe_v", 3) == 2
-    assert ranks_for("1f1b", 3) == 3 and ranks_for("zb_v", 4) == 2
+    assert plan("1f1b", None, 3, 4).ranks == 3 and plan("zb_v", None, 4, 4).ranks == 2
     with pytest.raises(ValueError, match="zb_v puts 2 stages on each device, so it needs an "
                                          "even number of stages, not 3"):
-        ranks_for("zb_v", 3)
+        plan("zb_v", None, 3, 4)
     s = build("zb_v", 2, 4)
     assert [s.rank_of(k) for k in range(4)] == [0, 1, 1, 0]
     assert s.stages_on(0) == [0, 3] and s.stages_on(1) == [1, 2]
@@ -283,5 +283,5 @@ def test_placement_must_name_ranks_that_exist():
 
 
 def test_rank_counts_are_ints_and_empty_programs_draw():
-    assert type(ranks_for("zb_v", 4)) is int and type(ranks_for("1f1b", 3)) is int
+    assert type(plan("zb_v", None, 4, 4).ranks) is int and type(plan("1f1b", None, 3, 4).ranks) is int
     assert Schedule("idle", 2, 1, [[], []]).grid() == "rank 0: \nrank 1: "

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from pipeline_lib import Pipe, is_checkpointing, is_recomputing, simulate
-from pipeline_lib.schedules import (BUILDERS, build, dependencies, gpipe, ranks_for,
+from pipeline_lib.schedules import (BUILDERS, build, dependencies, gpipe, plan,
                                     splits_backward, stages_per_rank)
 from conftest import assert_same_grads
 from workloads import BALANCES, CHECKPOINTS, data, make_model, tree_batch, tree_model
@@ -40,7 +40,7 @@ def test_step_matches_unpipelined_loss_and_gradients(schedule, stages, chunks, c
 
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
     assert_same_grads(model, reference)
-    planned = build(schedule, ranks_for(schedule, stages), chunks)
+    planned = plan(schedule, None, stages, chunks)
     for r in range(planned.ranks):   # each rank's thread ran its program in order
         mine = sorted((e for e in pipe.timeline.events if e.rank == r), key=lambda e: e.start)
         assert [e.action for e in mine] == planned.actions[r]

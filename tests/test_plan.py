@@ -80,6 +80,24 @@ def test_interleaving_gains_at_small_batch_and_loses_its_edge_at_large():
     assert gains[-1] < 1.05
 
 
+@pytest.mark.parametrize("batch", [32, 128])
+def test_tensor_parallel_within_a_node_is_best_at_fixed_gpus(batch):
+    """Narayanan et al. 2021, Sec. 5.4.1 and Fig. 13: a 162.2B GPT (32 layers, h = 20480,
+    128 heads; NVIDIA/Megatron-LM examples/academic_paper_scripts/sc21/run_figure_13.sh:
+    micro-batch 1, full recompute, batch 32 and 128) on 64 A100s (8 per node), as
+    (t, p) = (2, 32), (4, 16), (8, 8), (16, 4), (32, 2). Throughput peaks at t = 8, the
+    GPUs of a node, and falls off both ways: below it the pipeline's bubble grows with p,
+    above it the tensor-parallel all-reduces cross the slower inter-node links."""
+    model = Model(layers=32, hidden=20480, heads=128, seq_len=2048, vocab=51200)
+    throughput = {t: predict(model, A100, Layout(
+        tp=t, pp=64 // t, dp=1, micro_batch=1, global_batch=batch,
+        recompute="full")).tflops_per_gpu for t in (2, 4, 8, 16, 32)}
+    shown = {t: round(x, 1) for t, x in throughput.items()}
+    assert max(throughput, key=throughput.get) == 8, shown
+    assert throughput[2] < throughput[4] < throughput[8], shown
+    assert throughput[8] > throughput[16] > throughput[32], shown
+
+
 def test_zb_h1_beats_1f1b_at_equal_memory():
     def plan(schedule: str):
         return predict(GPT_175B, A100, Layout(tp=8, pp=12, dp=1, micro_batch=1,

@@ -19,15 +19,16 @@ from pipeline_lib.timeline import Timeline
 
 
 @pytest.mark.parametrize("flag, fix", [
-    ("--chunks", "1 sends each replica's batch whole, unsplit"),
+    ("--microbatches", "1 sends each replica's batch whole, unsplit"),
     ("--log-every", "1 logs every step; a number above --steps logs only the last one"),
     ("--steps", "train for at least one step"),
 ])
 def test_a_count_of_zero_is_refused_with_the_fix(flag, fix, capsys):
     with pytest.raises(SystemExit):
         train.main([flag, "0"])
-    assert f"argument {flag}: must be a whole number of at least 1, not '0': {fix}" \
-        in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err      # (--microbatches also names its old --chunks)
+    assert f"must be a whole number of at least 1, not '0': {fix}" in err
 
 
 def test_a_timeline_in_a_missing_folder_is_refused_before_training(tmp_path, capsys):
@@ -62,7 +63,7 @@ def test_two_ranks_train_and_save_the_last_logged_timeline(tmp_path, schedule, a
     target = tmp_path / "timeline.json"
     output = torchrun("pipeline_lib.lm.train", [
         "--pp", "2", "--schedule", schedule, "--synthetic", "50", "--steps", "3",
-        "--log-every", "2", "--batch", "4", "--bptt", "8", "--chunks", "2",
+        "--log-every", "2", "--batch", "4", "--bptt", "8", "--microbatches", "2",
         "--balance", "params", "--timeline", target, "--timeout", "60"], nproc=2, timeout=150)
     assert [line.split()[1] for line in output.splitlines() if line.startswith("step")] \
         == ["2", "3"]
@@ -75,7 +76,7 @@ def test_two_ranks_train_and_save_the_last_logged_timeline(tmp_path, schedule, a
     (["--timeline", "/proc/x/timeline.json"], "folder /proc/x does not exist"),
     (["--timeline", "/proc/timeline.json"], "--timeline /proc/timeline.json: cannot write in /proc"),
     (["--save", "/proc/run"], "--save /proc/run: cannot create the folder"),
-    (["--clip", "-1"], "--clip must be at least 0 (0 turns clipping off)"),
+    (["--clip", "-1"], "--clip: must be a number at least 0, not '-1': 0 turns clipping off"),
 ])
 def test_paths_and_values_that_cannot_work_are_refused_before_training(flags, message, capsys):
     """Even for root, whom permission bits never stop: /proc takes no new files."""
@@ -119,7 +120,7 @@ def test_the_log_line_counts_tokens_and_model_flops():
 def test_a_run_saved_on_pp2_dp2_in_bf16_resumes_on_pp4_dp1(tmp_path):
     """The issue's commands, tiny: the resumed run goes on from the saved step, and the
     checkpoint loads into the plain model, whose validation loss is the one logged."""
-    common = ["--synthetic", "50", "--batch", "8", "--bptt", "8", "--chunks", "2",
+    common = ["--synthetic", "50", "--batch", "8", "--bptt", "8", "--microbatches", "2",
               "--balance", "params", "--log-every", "1", "--eval-steps", "2", "--timeout", "60"]
     torchrun("pipeline_lib.lm.train", ["--pp", "2", "--dp", "2", "--clip", "0.5", "--dtype",
                                        "bf16", "--save", tmp_path, "--steps", "2", *common],
@@ -136,3 +137,11 @@ def test_a_run_saved_on_pp2_dp2_in_bf16_resumes_on_pp4_dp1(tmp_path):
     model.load_state_dict(run_state.merged_state_dict(tmp_path))
     loss, _ = evaluate(model, valid_tokens, 8, max_steps=2)
     assert valid.split()[2] == f"{loss:.3f}"
+
+
+def test_the_old_chunks_option_still_sets_the_micro_batches_and_says_the_new_name():
+    from pipeline_lib.lm.train import _parse_args
+
+    with pytest.warns(FutureWarning, match="--chunks is deprecated.*use --microbatches"):
+        assert _parse_args(["--chunks", "2", "--synthetic", "50"]).microbatches == 2
+    assert _parse_args(["--microbatches", "3", "--synthetic", "50"]).microbatches == 3

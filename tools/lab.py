@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--folder", type=Path, default=NOTEBOOKS,
                         help="folder to open (default: notebooks/; student/ after make student)")
     args, extra = parser.parse_known_args(argv)
+    spelled = [a for a in extra if a.split("=")[0] in ("--ServerApp.port", "--NotebookApp.port")]
+    if spelled:   # Jupyter's own spelling would skip port_number's check (99999 wraps)
+        parser.error(f"give the port as --port N (1 to 65535), not {spelled[0]}")
     if not args.folder.is_dir():
         parser.error(f"{args.folder} is not a folder (make student writes student/)")
     cmd = lab_command(args.port, extra, args.folder.resolve())

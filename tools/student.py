@@ -62,6 +62,16 @@ def write_atomically(path: Path, text: str) -> None:
         raise
 
 
+def holds(path: Path, text: str) -> bool:
+    """Whether ``path`` is a file holding exactly ``text``. Anything else there (a folder,
+    a link to nowhere, a file in another encoding or one this user cannot read) is the
+    learner's, to be kept, not a reason to stop with a traceback."""
+    try:
+        return path.is_file() and path.read_bytes() == text.encode("utf8")
+    except OSError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", type=Path, default=ROOT / "student",
@@ -81,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         text = nbformat.writes(student_version(notebook))
         if not text.endswith("\n"):
             text += "\n"
-        if path.exists():
-            if path.read_text(encoding="utf8") == text:
+        if path.exists() or path.is_symlink():
+            if holds(path, text):
                 print(f"up to date: {path}")
             else:
                 kept.append(path)

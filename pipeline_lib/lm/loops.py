@@ -17,6 +17,7 @@ Such batches are not counted, so the same loop runs unchanged on every rank.
 from __future__ import annotations
 
 import math
+import numbers
 import random
 import time
 from collections.abc import Callable
@@ -55,6 +56,11 @@ def make_step(model: Forward, optimizer: torch.optim.Optimizer, clip: float | No
     whose ``pipe(x)`` returns the last stage's output. (A multi-process pipeline needs the
     gradient norm summed across stages, so it belongs in that pipeline's own step.)
     """
+    if clip is not None and not (isinstance(clip, numbers.Real) and not isinstance(clip, bool)
+                                 and clip > 0):
+        # torch clips to 0 (no update at all) or, below 0, flips every gradient's sign
+        raise ValueError(f"clip must be a max norm > 0 (0.5 is the tutorial's) or None for "
+                         f"no clipping, got {clip!r}")
     params = [p for group in optimizer.param_groups for p in group["params"]]
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -100,8 +106,19 @@ def lr_at(step: int, peak: float, warmup: int, total: int, floor: float = 0.1) -
 
 
 def batch_starts(source: torch.Tensor, bptt: int, max_steps: int | None) -> range:
-    if max_steps is not None and max_steps < 1:
+    """The start column of each batch; at least one (a loop over none would report a
+    loss of NaN, or divide by zero, rather than say the data is too short)."""
+    if isinstance(bptt, bool) or not isinstance(bptt, numbers.Integral) or bptt < 1:
+        raise ValueError(f"bptt must be a whole number >= 1 (tokens per sequence, 35 in "
+                         f"the tutorial), got {bptt!r}")
+    if max_steps is not None and (isinstance(max_steps, bool)
+                                  or not isinstance(max_steps, numbers.Integral)
+                                  or max_steps < 1):
         raise ValueError(f"max_steps must be >= 1 (or None for the whole split), got {max_steps}.")
+    if source.dim() != 2 or source.size(1) < 2:
+        raise ValueError(f"source {tuple(source.shape)} holds no batch: it must be [batch, n] "
+                         f"from batchify with n >= 2 (an input token and its target); give "
+                         f"more tokens or a smaller batch size")
     starts = range(0, source.size(1) - 1, bptt)
     return starts if max_steps is None else starts[:max_steps]
 

@@ -1,6 +1,6 @@
 """The multi-process training program: the Transformer LM on a ``dp x pp`` mesh.
 
-    torchrun --nproc_per_node 4 -m pipeline_lib.lm.train --pp 2 --dp 2 --schedule 1f1b --chunks 4
+    torchrun --nproc_per_node 4 -m pipeline_lib.lm.train --pp 2 --dp 2 --schedule 1f1b --microbatches 4
 
 Every rank runs this same program; `pipeline_lib.distributed.DistributedPipe` decides
 which stages it holds. The loops it shares with single-process training live in
@@ -21,9 +21,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
@@ -37,7 +39,7 @@ from pipeline_lib.distributed import DistributedPipe, init_mesh, process_group
 from pipeline_lib.grad_clip import clip_grad_norm_
 from pipeline_lib.lm.data import batchify, get_batch, load_wikitext2
 from pipeline_lib.lm.loops import batch_starts, lm_loss, lr_at, seed_everything
-from pipeline_lib.lm.model import transformer_lm
+from pipeline_lib.lm.model import PRESETS, transformer_lm
 from pipeline_lib.lm.pipeline_eval import evaluate_pipeline
 from pipeline_lib.partition import balance_by_params, balance_by_time
 from pipeline_lib.schedules import BUILDERS, stages_per_rank
@@ -64,6 +66,22 @@ def _at_least_zero(what: str) -> Callable[[str], int]:
     return parse
 
 
+def _number_in(low: float, high: float, fix: str, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a number in ``[low, high]`` (``(low, high]`` if ``low_open``),
+    NaN refused: a NaN rate or norm would turn every weight into NaN without an error."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (low < value if low_open else low <= value) or not value <= high:
+            where = f"{'above' if low_open else 'at least'} {low:g}" + (
+                f" and at most {high:g}" if high != math.inf else "")
+            raise argparse.ArgumentTypeError(f"must be a number {where}, not {text!r}: {fix}")
+        return value
+    return parse
+
+
 def _writable_folder(parser: argparse.ArgumentParser, flag: str, folder: Path) -> None:
     """Fail now, not after minutes of training, if nothing can be written in ``folder``:
     by writing a file there (permission bits do not tell: root passes every check, and
@@ -74,6 +92,20 @@ def _writable_folder(parser: argparse.ArgumentParser, flag: str, folder: Path) -
     except OSError as exc:
         parser.error(f"{flag}: cannot write in {folder} ({exc.strerror or exc}); choose a "
                      f"path in a folder you can write to")
+
+
+class _OldNameWarns(argparse.Action):
+    """Stores the value; given under an old option name (the first is the current one),
+    warns that the old name goes in the next release (a `FutureWarning`: the one Python
+    shows the person at the command line, not only developers)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        if option_string != self.option_strings[0]:
+            warnings.warn(f"{option_string} is deprecated and will be removed in the next "
+                          f"release; use {self.option_strings[0]}", FutureWarning,
+                          stacklevel=2)
+        setattr(namespace, self.dest, values)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -88,7 +120,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--schedule", choices=sorted(BUILDERS), default="1f1b")
     parser.add_argument("--virtual-stages", type=_at_least_one("2 is the usual choice"),
                         default=2, help="stages per rank, for interleaved_1f1b")
-    parser.add_argument("--chunks", default=4, help="micro-batches per replica",
+    parser.add_argument("--microbatches", "--chunks", dest="microbatches", default=4,
+                        action=_OldNameWarns, help="micro-batches per replica (--chunks is "
+                        "its old name, deprecated)",
                         type=_at_least_one("1 sends each replica's batch whole, unsplit"))
     parser.add_argument("--batch", type=_at_least_one("the global batch, in rows"),
                         default=16, help="global batch (rows)")
@@ -96,23 +130,28 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="sequence length")
     parser.add_argument("--steps", type=_at_least_one("train for at least one step"),
                         default=100)
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    parser.add_argument("--lr", type=_number_in(0, math.inf, "1e-3 is the default", True),
+                        default=1e-3, help="peak learning rate (AdamW)")
     parser.add_argument("--warmup", type=_at_least_zero("starts at the peak rate"),
                         default=10, help="steps of linear learning-rate warmup")
-    parser.add_argument("--lr-floor", type=float, default=0.1, help="the cosine decay ends "
+    parser.add_argument("--lr-floor", type=_number_in(0, 1, "a fraction of --lr; 0.1 is the "
+                        "default"), default=0.1, help="the cosine decay ends "
                         "at this fraction of --lr at the last step")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                         help="bf16: autocast to bfloat16 (weights and optimizer stay float32; "
                         "activations, and the messages between stages, are bfloat16)")
-    parser.add_argument("--clip", type=float, default=0.5, metavar="MAX_NORM",
+    parser.add_argument("--clip", type=_number_in(0, math.inf, "0 turns clipping off, 0.5 is "
+                        "the seeds'"), default=0.5, metavar="MAX_NORM",
                         help="clip the whole model's gradient norm (summed over the pipeline's "
                         "ranks) to MAX_NORM, as the seed tutorials do; 0 turns clipping off")
-    parser.add_argument("--preset", default="cpu", help="pipeline_lib.lm.model.PRESETS")
+    parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS),
+                        help="pipeline_lib.lm.model.PRESETS")
     parser.add_argument("--balance", choices=["time", "params"], default="time",
                         help="split stages by measured time or by parameter count")
     parser.add_argument("--checkpoint", choices=["always", "except_last", "never"],
                         default="never")
-    parser.add_argument("--synthetic", type=int, metavar="VOCAB", default=None,
+    parser.add_argument("--synthetic", metavar="VOCAB", default=None,
+                        type=_at_least_one("the vocabulary's size, e.g. 1000"),
                         help="random tokens from a VOCAB-word vocabulary, not WikiText-2")
     parser.add_argument("--timeline", default=None,
                         help="save the last logged step's timeline here (JSON)")
@@ -122,7 +161,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "evaluates only after the last step"), help="steps between validation losses")
     parser.add_argument("--eval-steps", default=20, type=_at_least_one(
         "1 evaluates on one batch"), help="validation batches per evaluation")
-    parser.add_argument("--peak-tflops", type=float, default=None,
+    parser.add_argument("--peak-tflops", default=None, type=_number_in(
+                        0, math.inf, "the device's peak, e.g. 989 for an H100 in bf16", True),
                         help="the peak TFLOP/s of one process's device in --dtype (e.g. 989 "
                         "for an H100's bf16): logs the model FLOPs utilisation (MFU)")
     parser.add_argument("--save", type=Path, default=None, metavar="DIR",
@@ -133,11 +173,17 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resume", type=Path, default=None, metavar="DIR",
                         help="go on from the newest checkpoint in DIR, up to --steps in all")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=300.0,
+    parser.add_argument("--timeout", default=300.0, type=_number_in(
+                        0, math.inf, "300 is the default", True),
                         help="seconds any single wait may take before it is an error")
     args = parser.parse_args(argv)
-    if args.clip < 0:
-        parser.error(f"--clip must be at least 0 (0 turns clipping off), not {args.clip:g}")
+    if args.batch < args.dp * args.microbatches:
+        parser.error(f"--batch {args.batch} rows cannot give {args.dp} replica(s) "
+                     f"{args.microbatches} micro-batches of at least one row each: use --batch "
+                     f">= {args.dp * args.microbatches} (--dp x --microbatches) or fewer "
+                     f"--microbatches")
+    if args.save_every and not args.save:
+        parser.error(f"--save-every {args.save_every} saves nowhere without --save DIR")
     if args.timeline:   # fail now, not at the first log step after minutes of training
         folder = Path(args.timeline).absolute().parent
         if Path(args.timeline).is_dir():
@@ -157,6 +203,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.resume and not (args.resume / run_state.LATEST).is_file():
         parser.error(f"--resume {args.resume}: no checkpoint there ({run_state.LATEST} is "
                      f"missing); give the folder of an earlier run's --save")
+    if args.save and (args.save / run_state.LATEST).is_file() and not (
+            args.resume and args.resume.resolve() == args.save.resolve()):
+        # the first save would replace the checkpoint there, and delete its step folder
+        parser.error(f"--save {args.save} already holds another run's checkpoint, which "
+                     f"this run's first save would delete: go on from it with --resume "
+                     f"{args.save}, or save into an empty folder")
     return args
 
 
@@ -232,18 +284,20 @@ def _log(line: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
-    with process_group(timeout=args.timeout):
+    with process_group(timeout=args.timeout), contextlib.ExitStack() as held:
         mesh = init_mesh(args.pp, args.dp, args.timeout)
+        if args.save and mesh.rank == 0:
+            held.enter_context(run_state.claimed(args.save))
         source, valid, vocab = _tokens(args, mesh.rank)
         seed_everything(args.seed)
         model = transformer_lm(vocab, args.preset)
         parameters = sum(p.numel() for p in model.parameters())
         stages = args.pp * stages_per_rank(args.schedule, args.virtual_stages)
         precision = _precision(args.dtype, mesh.device)
-        rows = max(1, args.batch // (args.dp * args.chunks))   # one micro-batch
+        rows = max(1, args.batch // (args.dp * args.microbatches))   # one micro-batch
         sample = tuple(t[:rows] for t in get_batch(source, 0, args.bptt))
         balance = _balance(model, sample, stages, args.balance, mesh.device, precision)
-        pipe = DistributedPipe(model, mesh, balance, args.chunks, args.schedule, args.checkpoint)
+        pipe = DistributedPipe(model, mesh, balance, args.microbatches, args.schedule, args.checkpoint)
         del model   # this rank keeps only its stages
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
         done = run_state.resume(args.resume, pipe, balance, optimizer) if args.resume else 0
@@ -256,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
                              f"and this run has {len(starts)}: raise --steps to go on")
         if mesh.rank == logger:
             _log(f"{pipe.schedule.name}: {args.pp} pipeline ranks x {args.dp} replicas, "
-                 f"stages {balance} (by {args.balance} on {mesh.device}), {args.chunks} "
+                 f"stages {balance} (by {args.balance} on {mesh.device}), {args.microbatches} "
                  f"micro-batches, {args.dtype}, {parameters:,} parameters"
                  + (f", resumed after step {done}" if args.resume else ""))
         bar = tqdm(range(done, len(starts)), desc="train", initial=done, total=len(starts),

@@ -228,7 +228,7 @@ class Pipe(threaded.Pipe):
         last.record = []
         try:
             with self._microbatches(len(batches)):
-                if _run_by_data_parallel(self):
+                if threaded.run_by_data_parallel(self):
                     output = self._forward_in_one_graph(batches)
                 else:
                     output = super().forward(batches)
@@ -277,14 +277,6 @@ class Pipe(threaded.Pipe):
         finally:
             for layer, value in zip(layers, saved):
                 layer.chunks = value
-
-
-def _run_by_data_parallel(pipe: Pipe) -> bool:
-    """Whether `DistributedDataParallel` is running ``pipe``'s forward."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    active = DistributedDataParallel._get_active_ddp_module()
-    return active is not None and active.module is pipe
 
 
 def _moving_denied() -> TypeError:

@@ -172,6 +172,14 @@ class Pipe(nn.Module):
         """
         micro = split(inputs, self.chunks)
         m, n = len(micro), len(self.partitions)
+        if m > 1 and torch.is_grad_enabled() and run_by_data_parallel(self):
+            raise RuntimeError(
+                "this Pipe runs inside DistributedDataParallel with several micro-batches: "
+                "each stage's backward accumulates a weight's gradient once per "
+                "micro-batch, and DDP would all-reduce the first partial sum. For data "
+                "parallelism across pipelines use DistributedPipe (a dp x pp mesh, DDP per "
+                "stage); for the classic tutorial's DDP-wrapped Pipe use "
+                "pipeline_lib.sync.Pipe, which runs the micro-batches in one graph there")
         step_seed = new_step_seed()
         modes = ThreadState.capture()   # a replay in the backward runs under its autocast
         # the caller's tensors are used as they are unless it wants their gradients
@@ -343,3 +351,13 @@ class _StageFunction(torch.autograd.Function):
         grad_x = [g for g, is_tensor in zip(tree.leaves(grad_x), ctx.x_is_tensor) if is_tensor] \
             if grad_x is not None else [None] * sum(ctx.x_is_tensor)
         return (None,) * 8 + (*grad_x, *(popped.get(k) for k in ctx.popped))
+
+
+def run_by_data_parallel(pipe: nn.Module) -> bool:
+    """Whether `DistributedDataParallel` is running ``pipe``'s forward (PyTorch keeps the
+    DDP module whose forward is running; there is no public way to ask)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    active = DistributedDataParallel._get_active_ddp_module()
+    return active is not None and active.module is pipe
+

@@ -24,7 +24,7 @@ from pipeline_lib.executor import Received
 from pipeline_lib.schedules import Action
 from pipeline_lib.skip import SkipError, SkipKey, SkipRoute, describe
 from pipeline_lib.thread_state import ThreadState
-from pipeline_lib.threaded.interrupts import interrupts_held, wait_until_set
+from pipeline_lib.interrupts import interrupts_held, wait_until_set
 
 
 class PipelineAborted(RuntimeError):
@@ -152,6 +152,11 @@ def run_threads(devices: list[torch.device], work: Callable[[int], None],
                 running.append(flag)
         for flag in running:
             flag.wait()
+        # Their work is done; joining lets each thread finish exiting, so that none is
+        # still winding down when the interpreter exits after the step (a daemon thread
+        # caught there aborts the process).
+        for thread in threads[:len(running)]:
+            thread.join()
     except BaseException as exc:   # the caller was interrupted: stop the threads first
         try:
             mailbox.close(exc)

@@ -3,9 +3,11 @@
 Each check computes the expected answer first, with the library, and only then calls the
 learner's function inside `withheld`, so that calling the library function that *is* the
 answer fails instead of passing. The inputs are chosen so that the plausible wrong answers
-differ from the right one: cost vectors where "the last layer alone, the rest even" and a
-greedy "close a stage when it reaches its share" both lose, and evaluation data whose last
-batch is shorter than the others, so that a mean of batch means is not the token mean.
+differ from the right one: cost vectors where "the last layer alone, the rest even", a
+greedy "close a stage when it reaches its share" and the "most even" balance (smallest
+variance of the stage costs) all lose, costs in seconds where a search written for whole
+numbers fails, and evaluation data whose last batch is shorter than the others, so that a
+mean of batch means is not the token mean.
 
 Every check raises `ExerciseFailed` with what to change; the notebook's check cell runs it
 inside ``exercise("Exercise 3.N (...)")``, which prefixes the exercise's name.
@@ -34,18 +36,29 @@ __all__ = ["UNEVEN_COSTS", "LONG_COSTS", "check_fastest_balance", "check_token_w
 #: Layer costs (3 stages) on which a balance with the last layer alone and the rest even,
 #: an even layer count, and both greedy rules ("close a stage once it reaches its share of
 #: the total", "close it before the layer that would take it past its share") all leave a
-#: slowest stage at least 25% above the best one. Whole numbers, so that sums are exact.
+#: slowest stage at least 25% above the best one; on the third, so do the "most even"
+#: balances (the smallest variance of the stage costs, or the smallest gap between the
+#: slowest and the fastest stage), which the first two cannot tell from the best.
+#: Whole numbers, so that sums are exact.
 UNEVEN_COSTS: tuple[tuple[float, ...], ...] = (
     (1.0, 9.0, 3.0, 1.0, 1.0, 9.0, 1.0),
     (8.0, 4.0, 8.0, 8.0, 2.0, 2.0, 9.0),
+    (3.0, 1.0, 2.0, 2.0, 8.0, 1.0, 1.0),
 )
 
-#: 50 layer costs for 8 stages, on which the same four rules lose by 9% or more.
+#: 50 layer costs for 8 stages, on which the same four rules lose by 9% or more. The third
+#: is in seconds, as `layer_times` measures (tenths of a millisecond): a search that
+#: assumes whole-number costs (bisecting with ``//``, stepping by 1) fails on it, and the
+#: balance with the smallest variance of the stage costs loses on it by 6%.
 LONG_COSTS: tuple[tuple[float, ...], ...] = (
     (2, 5, 9, 4, 8, 9, 4, 6, 7, 5, 7, 7, 5, 1, 7, 9, 8, 8, 6, 9, 3, 5, 4, 4, 3,
      2, 8, 8, 2, 2, 1, 1, 4, 2, 3, 3, 8, 8, 6, 3, 6, 2, 8, 7, 3, 1, 8, 4, 1, 1),
     (6, 6, 3, 5, 5, 6, 9, 3, 3, 4, 1, 4, 3, 9, 6, 6, 1, 6, 3, 9, 9, 1, 5, 3, 2,
      5, 8, 6, 7, 3, 8, 4, 3, 8, 2, 8, 2, 5, 7, 3, 4, 5, 6, 2, 2, 3, 9, 6, 5, 3),
+    tuple(tenths / 10_000 for tenths in (
+        70, 87, 22, 79, 45, 80, 74, 25, 89, 35, 21, 26, 14, 38, 72, 34, 55, 86, 14, 19, 36,
+        88, 43, 29, 35, 56, 35, 64, 64, 88, 74, 57, 53, 71, 54, 50, 51, 49, 54, 53, 61, 89,
+        12, 80, 54, 40, 88, 24, 62, 25)),
 )
 
 _ANSWERS = (optimal_split, balance_by_params, balance_by_time, balance_by_memory)
@@ -172,8 +185,9 @@ def check_partitioner(partition: Callable[[list[float], int], Any],
 
     The reference is `optimal_split` (a dynamic program), computed before the learner's
     call; trying every balance would take C(49, 7) = 86 million of them, so the learner's
-    function gets ``seconds`` per cost vector. Checked: `LONG_COSTS` (where greedy rules
-    lose), then the same costs over 2 and 49 stages (the edge cases of a search).
+    function gets ``seconds`` per cost vector. Checked: `LONG_COSTS` over 8 stages (where
+    greedy and "most even" rules lose, and the costs of the third are not whole numbers),
+    then the same costs over 2 and 49 stages (the edge cases of a search).
     """
     cases = [(list(costs), k) for costs in LONG_COSTS for k in (8, 2, 49)]
     expected = [optimal_split(costs, k) for costs, k in cases]            # before withheld

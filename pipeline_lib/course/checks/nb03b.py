@@ -6,8 +6,10 @@ stash: a stash that detaches its tensor, or passes it some other way than ``stas
 ``pop``, leaves that layer's gradient or the output wrong. 3b.2 compares predicted running
 means with those a `Pipe` leaves, measured before the learner's call, on batches that
 `Pipe` splits unevenly (11 rows in 4 micro-batches: 3, 3, 3, 2), so that weighing
-micro-batches equally gives another number. `Pipe` and `DeferredBatchNorm` are refused
-during the learner's call: running them is what the prediction must do without.
+micro-batches equally gives another number. Both `Pipe`s and both `DeferredBatchNorm`s
+(the classic API's is a subclass, a class of its own) are refused during the learner's
+call: running them is what the prediction must do without. A plain ``nn.BatchNorm1d`` is
+not: feeding it the rows each update sees is the prediction.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from pipeline_lib.course.exercises import ExerciseFailed, withheld
 from pipeline_lib.microbatch import split
 from pipeline_lib.skip import Skippable
 from pipeline_lib.sync import Pipe as ClassicPipe
+from pipeline_lib.sync.batchnorm import DeferredBatchNorm as ClassicDeferredBatchNorm
 from pipeline_lib.threaded import Pipe
 
 __all__ = ["check_skip_pair", "running_means_after_a_step", "check_running_means"]
@@ -111,7 +114,8 @@ def check_running_means(predict: Callable[[torch.Tensor, int, float], Any],
     for (x, chunks, momentum), (plain, deferred) in zip(cases, expected):
         sizes = [len(c) for c in split(x, chunks)]
         case = f"{len(x)} rows in micro-batches of {sizes}, momentum {momentum}"
-        with withheld(Pipe, ClassicPipe, DeferredBatchNorm, namespace=namespace):
+        with withheld(Pipe, ClassicPipe, DeferredBatchNorm, ClassicDeferredBatchNorm,
+                      namespace=namespace):
             answer = predict(x.clone(), chunks, momentum)
         if not (isinstance(answer, tuple) and len(answer) == 2
                 and all(isinstance(a, torch.Tensor) for a in answer)):

@@ -9,9 +9,11 @@ exercise(...)`` prefixes the exercise's name.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from unittest import mock
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,8 +111,9 @@ CLUSTER_5_1 = Cluster(machines=2, gpus=2, fast=300e9, slow=25e9)   # NVLink, 200
 
 def jobs_5_1() -> dict[str, tuple[float, float]]:
     """Exercise 5.1's jobs: (bytes each rank all-reduces, bytes through a pipeline boundary)
-    per step. Their ratios go both ways, and the third is close enough to 1 that a rule of
-    thumb ("DDP moves over ten times the bytes") picks the wrong grid."""
+    per step. Their ratios go both ways, and the last two sit on either side of 1 (about
+    0.75 and 1.5): a rule of thumb ("DDP moves over ten times the bytes") picks the wrong
+    grid for one, and so does a comparison of bytes off by a factor of 2 either way."""
     ring = 2 * (2 - 1) / 2
     tutorial_stage = 722_145_390   # the larger stage of PRESETS["tutorial"] split in 2 by
     #                                parameters (notebook 05's table computes it on `meta`)
@@ -118,6 +121,8 @@ def jobs_5_1() -> dict[str, tuple[float, float]]:
                 (ring * tutorial_stage * 4, 2 * 20 * 35 * 4096 * 4),
             "a 30M-parameter stage fed 32 rows × 8,192 tokens of width 1,024":
                 (ring * 30e6 * 4, 2 * 32 * 8192 * 1024 * 4),
+            "a 50M-parameter stage fed 16 rows × 2,048 tokens of width 1,024":
+                (ring * 50e6 * 4, 2 * 16 * 2048 * 1024 * 4),
             "a 100M-parameter stage fed 16 rows × 2,048 tokens of width 1,024":
                 (ring * 100e6 * 4, 2 * 16 * 2048 * 1024 * 4)}
 
@@ -149,7 +154,7 @@ def check_5_1(place_ranks: Callable[..., Any], namespace: dict[str, Any] | None 
 # -- 5.2: bytes per step, counted --------------------------------------------------------------
 
 def cases_5_2() -> dict[str, tuple[list[nn.Module], Tensor, int, list[int], list[int], int]]:
-    """name: (stages, micro-batch, chunks, parameters per stage, values per activation at
+    """name: (stages, micro-batch, micro-batches, parameters per stage, values per activation at
     each boundary, bytes per value): a small Transformer LM cut in two, and a 3-stage
     float64 MLP (8-byte values: an answer that assumes 4 bytes fails)."""
     from pipeline_lib.lm.model import transformer_lm
@@ -171,9 +176,9 @@ def cases_5_2() -> dict[str, tuple[list[nn.Module], Tensor, int, list[int], list
 def check_5_2(step_bytes: Callable[..., Any], namespace: dict[str, Any] | None = None) -> None:
     """Exercise 5.2: the bytes match the parameter counts and activation shapes, for
     ``dp`` = 2 and 4, 4-byte and 8-byte values."""
-    for name, (stages, micro, chunks, params, widths, size) in cases_5_2().items():
+    for name, (stages, micro, microbatches, params, widths, size) in cases_5_2().items():
         for dp in (2, 4):
-            all_reduce, boundary = step_bytes(stages, micro, chunks, dp)
+            all_reduce, boundary = step_bytes(stages, micro, microbatches, dp)
             _require(len(all_reduce) == len(stages) and len(boundary) == len(stages) - 1,
                      f"{name}: {len(stages)} stages have {len(stages)} all-reduces and "
                      f"{len(stages) - 1} boundaries, got {len(all_reduce)} and {len(boundary)}")
@@ -183,10 +188,10 @@ def check_5_2(step_bytes: Callable[..., Any], namespace: dict[str, Any] | None =
                          f"{name}, dp = {dp}: all_reduce[{s}] is {got:,.0f} bytes, expected "
                          f"{want:,.0f}: 2(dp − 1)/dp × {params[s]:,} gradients × {size} bytes")
             for s, got in enumerate(boundary):
-                want = 2 * chunks * widths[s] * size
+                want = 2 * microbatches * widths[s] * size
                 _require(math.isclose(got, want),
                          f"{name}: boundary[{s}] is {got:,.0f} bytes, expected {want:,.0f}: "
-                         f"2 (forward and backward) × {chunks} micro-batches × "
+                         f"2 (forward and backward) × {microbatches} micro-batches × "
                          f"{widths[s]:,} values × {size} bytes")
 
 
@@ -211,11 +216,41 @@ def mesh_gradients(model: nn.Sequential, cuts: list[int], inputs: Tensor, target
     return grads
 
 
+_TORCH_CLIPPING = ("clip_grad_norm_", "clip_grad_norm", "get_total_norm", "clip_grads_with_norm_")
+
+
+@contextlib.contextmanager
+def _torch_clipping_withheld(namespace: dict[str, Any] | None) -> Iterator[None]:
+    """PyTorch's own norm and clipping functions refuse to run in the block: called on the
+    gathered gradients, they would do the one-process computation the exercise replaces
+    by per-rank numbers combined across the pipeline. `withheld` covers names bound in
+    ``namespace``; the attributes of ``torch.nn.utils`` are patched here."""
+    from torch.nn.utils import clip_grad
+
+    def refusal(name: str) -> Callable[..., Any]:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise ExerciseFailed(f"your code calls torch.nn.utils.{name}, which computes the "
+                                 f"whole model's norm in one process. Combine the ranks' "
+                                 f"own numbers instead, as the ranks of a mesh must")
+        return refuse
+
+    with contextlib.ExitStack() as stack:
+        functions = [getattr(torch.nn.utils, n) for n in _TORCH_CLIPPING
+                     if hasattr(torch.nn.utils, n)]
+        stack.enter_context(withheld(*functions, namespace=namespace))
+        for module in (torch.nn.utils, clip_grad):
+            for name in _TORCH_CLIPPING:
+                if hasattr(module, name):
+                    stack.enter_context(mock.patch.object(module, name, refusal(name)))
+        yield
+
+
 def check_5_3(clip_global: Callable[..., Any], namespace: dict[str, Any] | None = None) -> None:
     """Exercise 5.3: every replica's every stage ends with the gradient that
     ``torch.nn.utils.clip_grad_norm_`` leaves in the unpipelined model trained on the whole
     batch, and the returned norm is that model's, for a clip that bites and one that does
-    not. `pipeline_lib.grad_clip.clip_grad_norm_` is withheld."""
+    not. `pipeline_lib.grad_clip.clip_grad_norm_` and PyTorch's norm and clipping functions
+    are withheld."""
     from pipeline_lib import grad_clip
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
@@ -232,7 +267,8 @@ def check_5_3(clip_global: Callable[..., Any], namespace: dict[str, Any] | None 
         expected = {n: p.grad.clone() for n, p in model.named_parameters()}
         grads = mesh_gradients(model, cuts, inputs, targets, dp)
         setup = f"{dp} replicas × {len(cuts) - 1} pipeline ranks, max_norm {max_norm:.3f} ({what})"
-        with withheld(grad_clip.clip_grad_norm_, namespace=namespace):
+        with withheld(grad_clip.clip_grad_norm_, namespace=namespace), \
+                _torch_clipping_withheld(namespace):
             got = clip_global(grads, max_norm)
         _require(isinstance(got, (float, int, Tensor)),
                  f"{setup}: return the total norm before clipping, got {got!r}")

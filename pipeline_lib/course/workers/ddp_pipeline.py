@@ -55,7 +55,7 @@ class Setup:
     model_config: dict[str, Any]        # transformer_lm(**model_config)
     state_dict: dict[str, Tensor]       # the initial weights
     balance: list[int]
-    chunks: int                         # micro-batches per replica
+    microbatches: int                   # per replica
     schedule: str
     lr: float                           # plain SGD: one process gets lr x the same gradient
     batches: list[tuple[Tensor, Tensor]]  # global (inputs, targets); replicas split the rows
@@ -181,7 +181,7 @@ def train_and_record(setup: Setup, mesh: Mesh) -> RankRecord:
     model = transformer_lm(**setup.model_config)
     model.load_state_dict(setup.state_dict)
     names = {id(p): name for name, p in model.named_parameters()}
-    pipe = DistributedPipe(model, mesh, setup.balance, setup.chunks, setup.schedule)
+    pipe = DistributedPipe(model, mesh, setup.balance, setup.microbatches, setup.schedule)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=setup.lr)
     hooked: list[list[float]] = []
     _record_all_reduces(pipe, mesh, hooked)

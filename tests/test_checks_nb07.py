@@ -1,0 +1,190 @@
+"""Notebook 07's exercise checks, in-process: per exercise the solution passes, and the
+plausible wrong answers and the library shortcut each fail with a message that says what
+is wrong (the notebook's check cell adds the exercise's name)."""
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+
+from pipeline_lib import simulate
+from pipeline_lib.course.checks import nb07
+from pipeline_lib.course.exercises import ExerciseFailed
+from pipeline_lib.plan import Layout, Model, predict, search
+from pipeline_lib.plan.memory import layer_activation_bytes
+from pipeline_lib.schedules import one_f_one_b
+
+
+# -- 7.1 -----------------------------------------------------------------------------------
+
+def activations_per_layer(s, b, h, a, t, sequence_parallel=False, recompute="none"):
+    """The notebook's section 2: Korthikanti et al. 2022, Table 2."""
+    if recompute == "full":
+        return 2 * s * b * h
+    whole = 10 / t if sequence_parallel else 10
+    scores = 0 if recompute == "selective" else 5 * a * s / (h * t)
+    return s * b * h * (whole + 24 / t + scores)
+
+
+def stage_memory_with(*, embedding=True, optimizer_bytes=12, split_embedding=True,
+                      shard_always=False, in_flight="schedule", micro_batch="layout",
+                      working=True, sequence_parallel=True, divide_tp=True):
+    """The notebook's solution, or one slip of it (each keyword's other value)."""
+    def stage_memory(model: Model, layout: Layout) -> dict[str, float]:
+        layers = model.layers // layout.pp
+        t = layout.tp if divide_tp else 1
+        vocab = model.vocab * model.hidden if embedding else 0
+        params = layers * model.layer_parameters() / t \
+            + vocab / (t if split_embedding else 1)
+        shard = layout.dp if (layout.distributed_optimizer or shard_always) else 1
+        optimizer = optimizer_bytes * params / shard
+        b = layout.micro_batch if micro_batch == "layout" else 1
+        shape = (model.seq_len, b, model.hidden, model.heads, layout.tp)
+        sp = layout.sequence_parallel and sequence_parallel
+        per_layer = activations_per_layer(*shape, sp, layout.recompute)
+        held = {"schedule": simulate(one_f_one_b(layout.pp, layout.microbatches))
+                .peak_in_flight()[0],
+                "p": layout.pp, "m": layout.microbatches, "one": 1}[in_flight]
+        activations = held * layers * per_layer
+        if layout.recompute == "full" and working:
+            activations += activations_per_layer(*shape, sp, "none")
+        return {"weights": 2 * params, "gradients": 2 * params, "optimizer": optimizer,
+                "activations": activations}
+    return stage_memory
+
+
+def test_stage_memory_solution_passes():
+    nb07.check_stage_memory(stage_memory_with())
+
+
+STAGE_MEMORY_SLIPS = {   # name: (the slip, what the message must say)
+    "no embedding": (dict(embedding=False), "vocabulary embedding"),
+    "Adam's moments forgotten": (dict(optimizer_bytes=4), "12 bytes per parameter"),
+    "optimizer always sharded over dp": (dict(shard_always=True), "only with the distributed"),
+    "embedding not split over t": (dict(split_embedding=False), "the planner's"),
+    "nothing split over t": (dict(divide_tp=False), "Divide by the 8 tensor-parallel GPUs"),
+    "one micro-batch in flight": (dict(in_flight="one"), "one micro-batch's worth"),
+    "GPipe's m in flight": (dict(in_flight="m"), "as GPipe keeps them"),
+    "p in flight although m < p": (dict(in_flight="p"), "cannot hold more than there are"),
+    "no recomputed layer": (dict(working=False), "without the layer being recomputed"),
+    "b = 1 instead of the micro-batch": (dict(micro_batch=1), "one sequence per micro-batch"),
+    "sequence parallelism ignored": (dict(sequence_parallel=False), "sequence parallel"),
+}
+
+
+@pytest.mark.parametrize("slip", list(STAGE_MEMORY_SLIPS))
+def test_stage_memory_check_names_each_slip(slip):
+    keywords, says = STAGE_MEMORY_SLIPS[slip]
+    with pytest.raises(ExerciseFailed) as failed:
+        nb07.check_stage_memory(stage_memory_with(**keywords))
+    assert says in str(failed.value), str(failed.value)
+
+
+def test_stage_memory_check_refuses_the_planner():
+    def through_predict(model, layout):
+        memory = predict(model, nb07.A100, layout).memory
+        return {key: getattr(memory, key) for key in nb07.KEYS}
+
+    def through_memory_module(model, layout):
+        return {"activations": layer_activation_bytes(model, nb07.A100, layout)}
+
+    for shortcut, name in [(through_predict, "predict"),
+                           (through_memory_module, "layer_activation_bytes")]:
+        with pytest.raises(ExerciseFailed, match=re.escape(f"calls `{name}`")):
+            nb07.check_stage_memory(shortcut, namespace=globals())
+
+
+def test_stage_memory_check_refuses_the_planner_bound_in_the_notebook():
+    namespace = {"predict": predict, "CLUSTER": nb07.A100, "KEYS": nb07.KEYS}   # as in the notebook
+    exec("def stage_memory(model, layout):\n"
+         "    memory = predict(model, CLUSTER, layout).memory\n"
+         "    return {k: getattr(memory, k) for k in KEYS}\n", namespace)
+    with pytest.raises(ExerciseFailed, match="calls `predict`"):
+        nb07.check_stage_memory(namespace["stage_memory"], namespace=namespace)
+
+
+@pytest.mark.parametrize("returned, says", [
+    (None, "exactly the keys"),
+    ({"weights": 1.0, "gradients": 1.0, "optimizer": 1.0}, "exactly the keys"),
+    ({key: "1 GiB" for key in nb07.KEYS}, "a number of bytes")])
+def test_stage_memory_check_names_the_wrong_shape(returned, says):
+    with pytest.raises(ExerciseFailed, match=says):
+        nb07.check_stage_memory(lambda model, layout: returned)
+
+
+def test_stage_memory_cases_catch_each_slip_somewhere():
+    """Each slip that a case could hide is visible: m < p in one case, b = 2, sequence
+    parallelism, the distributed optimizer and every recompute in others."""
+    layouts = [layout for _, layout in nb07.STAGE_MEMORY_CASES]
+    assert any(layout.microbatches < layout.pp for layout in layouts)
+    assert any(layout.micro_batch > 1 for layout in layouts)
+    assert any(layout.sequence_parallel for layout in layouts)
+    assert any(layout.distributed_optimizer for layout in layouts)
+    assert {layout.recompute for layout in layouts} == {"none", "selective", "full"}
+
+
+# -- 7.2 -----------------------------------------------------------------------------------
+
+def faster_layout(model, cluster, published):
+    """The notebook's solution: a small search over t, p, micro-batch and schedule."""
+    gpus, batch = published.gpus, published.global_batch
+    best, best_time = None, predict(model, cluster, published).step_time
+    for tp in (1, 2, 4, 8):
+        for pp in (1, 2, 4, 8, 16, 32):
+            if gpus % (tp * pp) or model.layers % pp:
+                continue
+            dp = gpus // (tp * pp)
+            for micro_batch in (1, 2, 4):
+                for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2)):
+                    if batch % (dp * micro_batch) or model.layers % (pp * v):
+                        continue
+                    try:
+                        layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch,
+                                        global_batch=batch, schedule=schedule,
+                                        virtual_stages=v, recompute=published.recompute)
+                        candidate = predict(model, cluster, layout)
+                    except ValueError:
+                        continue
+                    if candidate.fits and candidate.step_time < best_time:
+                        best, best_time = layout, candidate.step_time
+    return best
+
+
+def test_faster_layout_solution_passes():
+    lines = nb07.check_faster_layout(faster_layout)
+    assert len(lines) == len(nb07.FASTER_LAYOUT_CASES)
+
+
+FASTER_LAYOUT_SLIPS = {   # name: (the returned layout, what the message must say)
+    "the published layout": (lambda p: p, "it must be faster"),
+    "tensor parallel across nodes": (lambda p: replace(p, tp=16, pp=p.pp // 2),
+                                     "its tensor-parallel group leaves the node"),
+    "all data parallel": (lambda p: replace(p, pp=1, dp=p.dp * p.pp,
+                                            schedule="1f1b", virtual_stages=1),
+                          "more than the 80 GiB there is"),
+    "no recompute, to go faster": (lambda p: replace(p, recompute="none"),
+                                   "more than the 80 GiB there is"),
+    "twice the GPUs": (lambda p: replace(p, dp=2 * p.dp), "the published run has"),
+    "a smaller global batch": (lambda p: replace(p, global_batch=p.global_batch // 2),
+                               "fixed by the optimization"),
+    "t that does not divide the heads": (lambda p: replace(p, tp=64, dp=p.dp * p.tp // 64),
+                                         "cannot lay the model out"),
+    "nothing found": (lambda p: None, "return a Layout"),
+}
+
+
+@pytest.mark.parametrize("slip", list(FASTER_LAYOUT_SLIPS))
+def test_faster_layout_check_names_each_slip(slip):
+    returned, says = FASTER_LAYOUT_SLIPS[slip]
+    with pytest.raises(ExerciseFailed) as failed:
+        nb07.check_faster_layout(lambda model, cluster, published: returned(published))
+    assert says in str(failed.value), str(failed.value)
+
+
+def test_faster_layout_check_refuses_the_search():
+    def through_search(model, cluster, published):
+        return search(model, cluster, published.gpus, published.global_batch).best.layout
+
+    with pytest.raises(ExerciseFailed, match="calls `search`"):
+        nb07.check_faster_layout(through_search, namespace=globals())
