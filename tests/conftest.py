@@ -73,3 +73,24 @@ def pytest_collection_modifyitems(config, items):
         ".venv/bin/python -m pytest tests -m 'not wikitext2'\n",
         returncode=pytest.ExitCode.USAGE_ERROR,
     )
+
+
+def fails(name: str, check, *answer, says: str = "") -> str:
+    """``check(*answer)`` fails inside ``exercise(name)``, with a message that starts with
+    the exercise's name (what a learner sees) and contains ``says``; returns it."""
+    from pipeline_lib.course.exercises import ExerciseFailed, exercise
+
+    with pytest.raises(ExerciseFailed) as failure:
+        with exercise(name):
+            check(*answer)
+    message = str(failure.value)
+    assert message.startswith(name + ": ") and says in message, message
+    return message
+
+
+def passes(name: str, check, *answer) -> None:
+    """``check(*answer)`` passes inside ``exercise(name)``."""
+    from pipeline_lib.course.exercises import exercise
+
+    with exercise(name):
+        check(*answer)

@@ -3,7 +3,6 @@ library function that is the answer, each fail with the exercise's own message."
 from __future__ import annotations
 
 import math
-import re
 from fractions import Fraction
 
 import pytest
@@ -11,10 +10,10 @@ import torch
 from torch import nn
 
 from pipeline_lib.course.checks import nb01
-from pipeline_lib.course.exercises import ExerciseFailed, exercise
 from pipeline_lib.microbatch import gather, loss_weights, split
 from pipeline_lib.schedules import gpipe
 from pipeline_lib.timeline import simulate
+from conftest import fails, passes
 
 loss_fn = nn.functional.mse_loss
 
@@ -24,17 +23,6 @@ EX_1_3 = "Exercise 1.3 (utilisation and the fewest micro-batches)"
 EX_1_4 = "Exercise 1.4 (GPipe's step on unequal stages)"
 
 
-def fails(name: str, check, *answer, says: str = "") -> None:
-    """``check(*answer)`` fails inside ``exercise(name)`` with name's message."""
-    with pytest.raises(ExerciseFailed, match=re.escape(name)) as failure:
-        with exercise(name):
-            check(*answer)
-    assert says in str(failure.value), str(failure.value)
-
-
-def passes(name: str, check, *answer) -> None:
-    with exercise(name):
-        check(*answer)
 
 
 # 1.1 ---------------------------------------------------------------------------------

@@ -2,17 +2,16 @@
 library function that is the answer, each fail with the exercise's own message."""
 from __future__ import annotations
 
-import re
 
 import pytest
 
 from pipeline_lib.course.checks import nb02
-from pipeline_lib.course.exercises import ExerciseFailed, exercise
 from pipeline_lib.executor import run_program
 from pipeline_lib.schedules import (Action, Schedule, build, gpipe, interleaved_1f1b,
                                     one_f_one_b, one_forward_one_backward)
 from pipeline_lib.threaded.threads import run_threads
 from pipeline_lib.timeline import simulate
+from conftest import fails, passes
 
 EX_2_1 = "Exercise 2.1 (GPipe as an action list)"
 EX_2_2 = "Exercise 2.2 (1F1B as an action list)"
@@ -21,16 +20,6 @@ EX_2_4 = "Exercise 2.4 (activation memory counted from a program)"
 EX_2_5 = "Exercise 2.5 (interleaved 1F1B in rounds)"
 
 
-def fails(name: str, check, *answer, says: str = "") -> None:
-    with pytest.raises(ExerciseFailed, match=re.escape(name)) as failure:
-        with exercise(name):
-            check(*answer)
-    assert says in str(failure.value), str(failure.value)
-
-
-def passes(name: str, check, *answer) -> None:
-    with exercise(name):
-        check(*answer)
 
 
 # 2.1 ---------------------------------------------------------------------------------

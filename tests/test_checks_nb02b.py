@@ -2,32 +2,21 @@
 library function that is the answer, each fail with the exercise's own message."""
 from __future__ import annotations
 
-import re
 
 import pytest
 import torch
 
 from pipeline_lib.course.checks import nb02b
-from pipeline_lib.course.exercises import ExerciseFailed, exercise
 from pipeline_lib.schedules import Schedule, build, one_forward_one_backward, zb_h1
 from pipeline_lib.split_backward import backward_input
 from pipeline_lib.timeline import rank_facts, simulate
+from conftest import fails, passes
 
 EX_1 = "Exercise 2b.1 (ZB-H1's bubble at any costs)"
 EX_2 = "Exercise 2b.2 (ZB-H1 from 1F1B's building block)"
 EX_3 = "Exercise 2b.3 (I and W by hand)"
 
 
-def fails(name: str, check, *answer, says: str = "") -> None:
-    with pytest.raises(ExerciseFailed, match=re.escape(name)) as failure:
-        with exercise(name):
-            check(*answer)
-    assert says in str(failure.value), str(failure.value)
-
-
-def passes(name: str, check, *answer) -> None:
-    with exercise(name):
-        check(*answer)
 
 
 # 2b.1 --------------------------------------------------------------------------------

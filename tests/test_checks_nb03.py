@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from pipeline_lib.course.checks import nb03
-from pipeline_lib.course.exercises import ExerciseFailed, exercise
+from pipeline_lib.course.exercises import exercise
 from pipeline_lib.lm.data import get_batch
 from pipeline_lib.lm.loops import evaluate, lm_loss
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.partition import optimal_split, stage_costs
+from conftest import fails
 
 EX31 = "Exercise 3.1 (the balance that minimises the step)"
 EX32 = "Exercise 3.2 (an optimal partitioner for 50 layers)"
@@ -26,14 +27,6 @@ EX33 = "Exercise 3.3 (a token-weighted evaluation)"
 MEASURED = {"with the loss": [0.7e-3, 5.8e-3, 4.1e-3, 5.6e-3, 5.6e-3, 30.8e-3],
             "without the loss": [0.7e-3, 5.8e-3, 4.1e-3, 5.6e-3, 5.6e-3, 27.1e-3]}
 
-
-def fails(name: str, run) -> str:
-    with pytest.raises(ExerciseFailed) as failed:
-        with exercise(name):
-            run()
-    message = str(failed.value)
-    assert message.startswith(name + ": "), message
-    return message
 
 
 def passes(name: str, run, capsys) -> None:

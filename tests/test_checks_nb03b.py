@@ -8,20 +8,13 @@ from torch import nn
 
 from pipeline_lib import Pipe
 from pipeline_lib.course.checks import nb03b
-from pipeline_lib.course.exercises import ExerciseFailed, exercise
+from pipeline_lib.course.exercises import exercise
 from pipeline_lib.sync.skip import pop, skippable, stash
+from conftest import fails
 
 EX1 = "Exercise 3b.1 (a skip connection across stages)"
 EX2 = "Exercise 3b.2 (running means after a step)"
 
-
-def fails(name: str, run) -> str:
-    with pytest.raises(ExerciseFailed) as failed:
-        with exercise(name):
-            run()
-    message = str(failed.value)
-    assert message.startswith(name + ": "), message
-    return message
 
 
 # --------------------------------------------------------------------- 3b.1
