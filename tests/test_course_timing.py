@@ -30,3 +30,20 @@ def test_bad_input_is_refused(call):
 
 def test_machine_load_names_the_cores():
     assert "cores" in machine_load()
+
+
+def test_loss_seconds_times_the_loss_backward_on_random_logits():
+    """It calls the loss once per repeat plus a warm-up, each time with fresh logits that
+    need grad, and returns a positive median."""
+    import torch
+
+    from pipeline_lib.course.timing import loss_seconds
+
+    calls = []
+
+    def loss_fn(logits, target):
+        calls.append((logits.shape, logits.requires_grad, logits.is_leaf))
+        return torch.nn.functional.cross_entropy(logits.view(-1, 7), target.reshape(-1))
+
+    seconds = loss_seconds(loss_fn, torch.randint(7, (3, 5)), 7, "cpu", repeats=4)
+    assert seconds > 0 and calls == [((3, 5, 7), True, True)] * 5

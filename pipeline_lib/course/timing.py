@@ -15,7 +15,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
-__all__ = ["Turn", "take_turns", "median_turn", "median_seconds", "machine_load"]
+import torch
+
+__all__ = ["Turn", "take_turns", "median_turn", "median_seconds", "machine_load",
+           "loss_seconds"]
 
 T = TypeVar("T")
 #: One timed call: wall-clock seconds and what the call returned.
@@ -63,3 +66,27 @@ def machine_load() -> str:
 def median_seconds(turns: list[Turn]) -> float:
     """The median of the turns' seconds."""
     return statistics.median(seconds for seconds, _ in turns)
+
+
+def loss_seconds(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 target: torch.Tensor, classes: int, device: torch.device | str,
+                 repeats: int = 5) -> float:
+    """The loss alone, forward and backward, on one micro-batch of logits (``classes`` per
+    target), median of ``repeats`` after a warm-up: timed directly, since its cost does
+    not depend on the logits' values, so it cannot come out negative as a difference of
+    two separately timed, noisy decoder times can."""
+    device = torch.device(device)
+    logits = torch.randn(*target.shape, classes, device=device)
+    target = target.to(device)
+    runs = []
+    for _ in range(1 + repeats):                  # the first warms up
+        leaf = logits.clone().requires_grad_()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        loss_fn(leaf, target).backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs[1:])
+
