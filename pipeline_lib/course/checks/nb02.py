@@ -273,8 +273,9 @@ def check_interleaved(interleaved_by_hand: Callable, namespace: Namespace = None
         t, target = simulate(mine, **costs), simulate(interleaved_1f1b(p, m, v), **costs)
         most = target.peak_in_flight()
         _require(all(a <= b for a, b in zip(t.peak_in_flight(), most)),
-                 f"{call}: your ranks hold {t.peak_in_flight()} micro-batches of a virtual stage at their "
-                 f"peak, interleaved 1F1B {most}: start the backwards as soon as the first "
+                 f"{call}: your ranks hold {t.peak_in_flight()} (virtual stage, micro-batch) "
+                 f"pairs at their peak, interleaved 1F1B {most}: start the backwards as soon "
+                 f"as the first "
                  f"gradient can be back, not after all forwards")
         _require(t.makespan <= target.makespan + 1e-9,
                  f"{call}: your step takes {t.makespan:.4g} cost units (a virtual stage's forward "

@@ -173,7 +173,8 @@ def check_faster_layout(faster_layout: Callable[[Model, Cluster, Layout], Layout
         _check(yours.fits,
                f"{name}: your layout needs {yours.memory / GiB:.1f} GiB on its busiest GPU, "
                f"more than the {cluster.hbm_bytes / GiB:.0f} GiB there is (weights "
-               f"{yours.memory.weights / GiB:.1f}, optimizer "
+               f"{yours.memory.weights / GiB:.1f}, gradients "
+               f"{yours.memory.gradients / GiB:.1f}, optimizer "
                f"{yours.memory.optimizer / GiB:.1f}, activations "
                f"{yours.memory.activations / GiB:.1f} GiB): use more pipeline or "
                f"tensor-parallel GPUs, recompute, or smaller micro-batches")
