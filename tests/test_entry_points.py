@@ -55,7 +55,7 @@ def test_lab_port_is_passed_only_when_asked():
     assert not any(arg.startswith("--port") for arg in lab.lab_command())   # JUPYTER_PORT, config
 
 
-@pytest.mark.parametrize("port", ["99999", "-5", "0", "65536", "eighty"])
+@pytest.mark.parametrize("port", ["99999", "-5", "65536", "eighty"])
 def test_lab_refuses_a_port_outside_1_to_65535(monkeypatch, capsys, port):
     monkeypatch.setattr(os, "execv", lambda *a: pytest.fail("started jupyter"))
     with pytest.raises(SystemExit) as exit_:
@@ -63,6 +63,15 @@ def test_lab_refuses_a_port_outside_1_to_65535(monkeypatch, capsys, port):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "--port" in err and "1 to 65535" in err, err
+
+
+def test_lab_takes_port_0_for_any_free_port(monkeypatch):
+    """Jupyter's own meaning of 0 (the system picks a free port, the URL printed is the one
+    it listens on): what the browser test starts JupyterLab with."""
+    started = []
+    monkeypatch.setattr(os, "execv", lambda path, argv: started.append(argv))
+    lab.main(["--port=0"])
+    assert "--port=0" in started[0]
 
 
 def run_pytest(*args: str, data: Path | None, cache: Path) -> subprocess.CompletedProcess:

@@ -48,23 +48,26 @@ def lab_command(port: int | None = None, extra: list[str] | None = None,
 
 
 def port_number(text: str) -> int:
-    """A TCP port, 1 to 65535: Jupyter would wrap a larger one (99999 listens on 34463)
-    and print a URL nothing serves, and fail on a negative one with a traceback."""
+    """A TCP port, 1 to 65535, or 0 for any free one (the system picks it, and Jupyter
+    prints the URL it listens on): Jupyter would wrap a larger one (99999 listens on
+    34463) and print a URL nothing serves, and fail on a negative one with a traceback."""
     try:
         port = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port number; give a whole "
                                          f"number from 1 to 65535, e.g. --port 8888") from None
-    if not 1 <= port <= 65535:
+    if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{port} is not a port: ports run from 1 to 65535; "
-                                         f"give one in that range, e.g. --port 8888")
+                                         f"give one in that range, e.g. --port 8888 (or 0 "
+                                         f"for any free one)")
     return port
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=port_number,
-                        help="port to try first, 1 to 65535 (default: Jupyter's, 8888)")
+                        help="port to try first, 1 to 65535, or 0 for any free one (default: "
+                        "Jupyter's, 8888)")
     parser.add_argument("--folder", type=Path, default=NOTEBOOKS,
                         help="folder to open (default: notebooks/; student/ after make student)")
     args, extra = parser.parse_known_args(argv)
