@@ -266,8 +266,9 @@ def expected_peaks(schedule: str, p: int, m: int, v: int, backward_ratio: float)
     plan = build(schedule, p, m, v)
     v = plan.virtual_stages
     peaks = simulate(plan, forward=1 / v, backward=backward_ratio / v).peak_in_flight()
-    return (f"peak in-flight micro-batches per rank, per model chunk: {peaks}; "
-            f"in stage-equivalents (chunks of 1/{v} stage): {[n / v for n in peaks]}")
+    return (f"peak in-flight micro-batches per rank, per virtual stage: {peaks}; "
+            f"in stage-equivalents (a virtual stage is 1/{v} of a stage): "
+            f"{[n / v for n in peaks]}")
 
 
 def check_explorer(page) -> None:
