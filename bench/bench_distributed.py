@@ -141,11 +141,12 @@ def worker(args: argparse.Namespace) -> None:
         for m in args.microbatches:
             for schedule in SCHEDULES:
                 our_runner, durations = ours(config, balance, schedule, m, mesh)
-                runners = {"pipeline_lib": our_runner,
-                           "pipeline_lib plain": ours(config, balance, schedule, m, mesh,
-                                                      post_early=False)[0],
-                           "torch.pipelining": torch_pipelining(config, balance, schedule, m,
-                                                                mesh.rank)}
+                runners = {"pipeline_lib": our_runner}
+                if not args.ours_only:
+                    runners["pipeline_lib plain"] = ours(config, balance, schedule, m, mesh,
+                                                         post_early=False)[0]
+                    runners["torch.pipelining"] = torch_pipelining(config, balance, schedule,
+                                                                   m, mesh.rank)
                 times = alternate(runners, args.warmup, args.steps, sync=dist.barrier)
                 stage_s = [statistics.median(durations[(s, "F")])
                            + statistics.median(durations[(s, "B")])
@@ -168,7 +169,8 @@ def launch_ranks(config: Config, balance: list[int], args: argparse.Namespace) -
                    "--config", json.dumps(asdict(config)),
                    "--balance", ",".join(map(str, balance)), "--out", str(out),
                    "--warmup", str(args.warmup), "--steps", str(args.steps),
-                   "--microbatches", *map(str, args.microbatches)]
+                   "--microbatches", *map(str, args.microbatches),
+                   *(["--ours-only"] if getattr(args, "ours_only", False) else [])]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         subprocess.run(command, check=True, env=env)
         return json.loads(out.read_text())
@@ -230,9 +232,10 @@ def launcher_args(description: str, microbatches: list[int], steps: int,
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--microbatches", type=int, nargs="+", default=microbatches)
-    for hidden in ("--worker", "--config", split_flag, "--out"):
+    for hidden in ("--worker", "--ours-only", "--config", split_flag, "--out"):
         parser.add_argument(hidden, help=argparse.SUPPRESS,
-                            **({"action": "store_true"} if hidden == "--worker" else {}))
+                            **({"action": "store_true"} if hidden in ("--worker", "--ours-only")
+                               else {}))
     args = parser.parse_args()
     if args.steps is None:
         args.steps = 2 if args.quick else steps

@@ -10,18 +10,19 @@ Search: `search` on each row of Narayanan et al. 2021, Table 1 (the 1T row, 3,07
 is the issue's target: under 10 s on 2 cores), ``--repeats`` times, the median kept; with
 each, the published layout's predicted step and the best found, and how they differ.
 
-Local: ``--rounds`` rounds, each measuring this machine (`measure_local_cluster`: the
-model's own matrix multiplies at its micro-batch's shapes, a copy, the cost per
-dispatched operation of the model's own block at one token, gloo sends or a thread
-hand-off; medians, like the steps) and then timing the runs, so that measurements and
-steps see the machine alike; each prediction is priced with the rounds' median numbers and the operations the real
-modules dispatch, counted once (`count_dispatches`). The runs: bench/bench_distributed.py's
-(2 ranks × 1 thread, GPipe and 1F1B, m = 4 and 8, its "pipeline_lib" rows) and notebook
-03's "pipelined" step (threaded `Pipe`, 2 stage threads, "cpu" preset with dropout,
-WikiText-2, batch 20 × 35, m = 4, GPipe), both on the planner's split (blocks halved, the
-embedding first, the head last), forward and backward without an optimizer step, so each
-is compared with `Plan.pipeline_time`. bench_distributed's blocks run PyTorch's fused CPU
-attention (``flash_attention=True``); with dropout (notebook 03) the scores are written.
+Local: ``--rounds`` rounds, each measuring this machine (`measure_local_cluster`, with
+the model and its block: the FLOP/s of its own multiplies and the bytes/s of its block's
+other kernels, per token added; what an operation of its block costs at one token,
+forward and backward apart; what the stage runner adds per action; gloo sends, or a
+thread hand-off with the other stage's thread computing; medians, like the steps) and
+then timing the runs, so that measurements and steps see the machine alike. Each
+prediction is priced with the rounds' median numbers and the kernels the real modules
+dispatch, counted once (`plan.kernels.count_kernels`). The runs: bench/bench_distributed.py's
+(2 ranks × 1 thread, GPipe and 1F1B, m = 4 and 8, its "pipeline_lib" rows only; the
+headline model, or ``--quick``'s) and notebook 03's "pipelined" step (threaded `Pipe`, 2
+stage threads, "cpu" preset with dropout, WikiText-2, batch 20 × 35, m = 4, GPipe), both
+on the planner's split (blocks halved, the embedding first, the head last), forward and
+backward without an optimizer step, so each is compared with `Plan.pipeline_time`.
 Prints one JSON object per row, then a table.
 """
 from __future__ import annotations
@@ -81,15 +82,16 @@ def even_split(layers: int) -> list[int]:
 
 
 def counted(model: Model, torch_model, ids, target, loss_fn) -> Model:
-    from pipeline_lib.plan.local import count_dispatches
-    return replace(model, dispatches=count_dispatches(torch_model, ids, target, loss_fn))
+    from pipeline_lib.plan.kernels import count_kernels
+    return replace(model, kernels=count_kernels(torch_model, ids, target, loss_fn))
 
 
 def median_cluster(clusters: list[Cluster]) -> Cluster:
     """Each measured number's median over the rounds: measurements taken between the
     timed runs, so that both see the machine as it was."""
     numeric = ("peak_flops", "hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth",
-               "latency", "kernel_overhead")
+               "latency", "kernel_overhead", "backward_overhead", "action_overhead",
+               "send_overhead", "receive_overhead")
     return replace(clusters[0], **{k: statistics.median(getattr(c, k) for c in clusters)
                                    for k in numeric})
 
@@ -113,7 +115,7 @@ def bench_distributed_runs(quick: bool, steps: int | None, rounds: int) -> list[
                          target[:config.batch // m], lm_loss) for m in microbatches}
     balance = even_split(config.layers)
     args = argparse.Namespace(warmup=1, steps=steps or (2 if quick else 4),
-                              microbatches=microbatches)
+                              microbatches=microbatches, ours_only=True)
     clusters: dict[int, list[Cluster]] = {m: [] for m in microbatches}
     measured: dict[tuple[str, int], list[float]] = {}
     stage_s: dict[tuple[str, int], list[list[float]]] = {}
@@ -137,8 +139,7 @@ def bench_distributed_runs(quick: bool, steps: int | None, rounds: int) -> list[
                          stage_s=[statistics.median(s) for s in zip(*stage_s[schedule, m])],
                          predicted_stage_s=[f + b for f, b in zip(plan.costs.forward,
                                                                   plan.costs.backward)],
-                         cluster=cluster.__dict__, dispatches=models[m].dispatches.__dict__,
-                         config=config.__dict__))
+                         cluster=cluster.__dict__, config=config.__dict__))
     return rows
 
 
@@ -170,6 +171,7 @@ def notebook03_run(steps: int, rounds: int) -> list[dict]:
     pipe = Pipe(torch_model, chunks, checkpoint="never", balance=balance,
                 devices=["cpu", "cpu"])
     times, clusters = [], []
+    durations: dict[tuple[int, str], list[float]] = {}
     pipe.step(inputs, targets, lm_loss)                       # warm up
     for _ in range(rounds):
         clusters.append(measure_local_cluster(1, 2, model, micro, transport="threads",
@@ -178,14 +180,19 @@ def notebook03_run(steps: int, rounds: int) -> list[dict]:
             start = time.perf_counter()
             pipe.step(inputs, targets, lm_loss)
             times.append(time.perf_counter() - start)
+            for e in pipe.timeline.events:
+                durations.setdefault((e.action.stage, e.action.kind), []).append(e.duration)
     cluster = median_cluster(clusters)
     # dropout in training: PyTorch's CPU attention writes the scores (no fused kernel)
     plan = predict(model, cluster, Layout(pp=2, micro_batch=micro, global_batch=batch,
                                           schedule="gpipe"))
     return [dict(run="notebook 03 threaded Pipe GPipe", m=chunks,
                  measured_s=statistics.median(times), measured_steps_s=times,
-                 predicted_s=plan.pipeline_time, balance=balance, cluster=cluster.__dict__,
-                 dispatches=model.dispatches.__dict__)]
+                 predicted_s=plan.pipeline_time, balance=balance,
+                 stage_s=[statistics.median(durations[s, "F"]) + statistics.median(durations[s, "B"])
+                          for s in range(2)],
+                 predicted_stage_s=[f + b for f, b in zip(plan.costs.forward, plan.costs.backward)],
+                 cluster=cluster.__dict__)]
 
 
 def bench_local(quick: bool, steps: int | None, rounds: int) -> None:

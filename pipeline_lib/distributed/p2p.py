@@ -93,7 +93,7 @@ def batch_key(*values: Any) -> int:
 
 # -- the header ------------------------------------------------------------------------
 
-def _pack(message: Message, value: Any) -> tuple[list[int], list[Tensor]]:
+def pack(message: Message, value: Any) -> tuple[list[int], list[Tensor]]:
     """Header ``[kind, stage, micro-batch, is_tuple, items, (present, dtype, ndim,
     *shape) per item]`` and the tensors to send after it. Items of a tuple may be None
     (a gradient for an input that needs none)."""
@@ -118,7 +118,7 @@ def _pack(message: Message, value: Any) -> tuple[list[int], list[Tensor]]:
     return fields + [0] * (HEADER_SLOTS - len(fields)), tensors
 
 
-def _unpack(header: list[int], device: torch.device | str
+def unpack(header: list[int], device: torch.device | str
             ) -> tuple[Message, bool, list[Tensor | None]]:
     """The message, whether it is a tuple, and per item an empty tensor of its dtype and
     shape on ``device`` (None for a missing item)."""
@@ -141,7 +141,7 @@ def _value(is_tuple: bool, items: list[Tensor | None]) -> Any:
 
 def _described(header: list[int]) -> str:
     """`describe_tensors` of the value a header announces."""
-    return describe_tensors(_value(*_unpack(header, "meta")[1:]))
+    return describe_tensors(_value(*unpack(header, "meta")[1:]))
 
 
 # -- layer 1: a header, then the tensors -----------------------------------------------
@@ -174,7 +174,7 @@ class Transport:
         if dst == self.mesh.pipe_rank:
             self.arrived[message] = value
             return
-        header, tensors = _pack(message, value)
+        header, tensors = pack(message, value)
         self._check_sent(message, header)
         peer, group = self.mesh.global_rank(dst), self.mesh.link(self.mesh.pipe_rank, dst)
         for buffer in [torch.tensor(header, device=self.mesh.device), *tensors]:
@@ -210,7 +210,7 @@ class Transport:
                device: torch.device | str) -> tuple[bool, list[Tensor | None]]:
         """Whether the message is a tuple, and an empty tensor on ``device`` per item
         (None for a missing one), once the header says it is the one expected."""
-        message, is_tuple, items = _unpack(header, device)
+        message, is_tuple, items = unpack(header, device)
         if message != expected:
             raise ProtocolError(f"rank {self.mesh.rank} expected {expected} from rank "
                                 f"{self.mesh.global_rank(src)} but received {message}: the "
@@ -297,7 +297,7 @@ class PostedEarly(Transport):
         while self.unposted[peer] and len(self.posted[peer]) < AHEAD:
             message = self.unposted[peer].popleft()
             header = self.headers[message]
-            items = _unpack(header, self.mesh.device)[2]
+            items = unpack(header, self.mesh.device)[2]
             buffers = [torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.mesh.device),
                        *(item for item in items if item is not None)]
             works = [dist.irecv(buffer, src, group=group) for buffer in buffers]

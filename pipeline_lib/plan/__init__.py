@@ -9,9 +9,9 @@ cluster and the layout, with the schedules and the simulator the lessons teach.
 """
 from pipeline_lib.plan.hardware import CLUSTERS, Cluster
 from pipeline_lib.plan.memory import Memory
-from pipeline_lib.plan.model import Dispatches, Layout, Model
+from pipeline_lib.plan.model import Kernels, Layout, Model, Work
 from pipeline_lib.plan.predict import Plan, predict
 from pipeline_lib.plan.search import Candidate, Rejected, SearchResult, differences, search
 
-__all__ = ["CLUSTERS", "Candidate", "Cluster", "Dispatches", "Layout", "Memory", "Model", "Plan", "Rejected",
-           "SearchResult", "differences", "predict", "search"]
+__all__ = ["CLUSTERS", "Candidate", "Cluster", "Kernels", "Layout", "Memory", "Model", "Plan",
+           "Rejected", "SearchResult", "Work", "differences", "predict", "search"]

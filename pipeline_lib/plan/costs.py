@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pipeline_lib.plan.hardware import Cluster
-from pipeline_lib.plan.model import Layout, Model, layers_per_chunk
+from pipeline_lib.plan.model import Layout, Model, Passes, layers_per_chunk
 
 
 @dataclass(frozen=True)
@@ -151,29 +151,39 @@ class ChunkCosts:
     weight: list[float]
 
 
-def dispatch_pass(ops: tuple[int, int], cluster: Cluster) -> Pass:
-    """The fixed cost of ``ops`` = (forward, backward) dispatched operations; the backward's
-    counts as the input gradient's (the eager executors run B whole)."""
-    forward, backward = ops
-    return Pass(forward * cluster.kernel_overhead, backward * cluster.kernel_overhead)
+def counted_pass(passes: Passes, cluster: Cluster, weight_share: float = 0.0) -> Pass:
+    """Counted kernels (`Kernels`) priced (`Cluster.work_seconds`); ``weight_share`` of
+    the backward is its weight gradient (W), as the FLOP formulas split it."""
+    forward, backward = (cluster.work_seconds(work, backward=b)
+                         for work, b in zip(passes, (False, True)))
+    return Pass(forward, backward * (1 - weight_share), backward * weight_share)
+
+
+def _weight_share(work: Pass) -> float:
+    backward = work.input_grad + work.weight_grad
+    return work.weight_grad / backward if backward else 0.0
 
 
 def passes(model: Model, cluster: Cluster, layout: Layout) -> tuple[Pass, float, Pass, Pass]:
-    """A block's `Pass` and recompute seconds, the embedding's and the head's `Pass`. With
-    counted ``model.dispatches`` the roofline prices each kernel's bytes and FLOPs only and
-    every counted operation adds ``kernel_overhead``; otherwise each structural kernel
-    of the roofline carries it."""
-    counted = model.dispatches
-    roofline = replace(cluster, kernel_overhead=0.0) if counted else cluster
-    layer, recompute = layer_pass(model, roofline, layout)
-    first, last = embedding_pass(model, roofline, layout), loss_pass(model, roofline, layout)
-    if counted:
-        block = dispatch_pass(counted.block, cluster)
-        recompute += block.forward if layout.recompute == "full" else 0.0
-        layer += block
-        first += dispatch_pass(counted.embedding, cluster)
-        last += dispatch_pass(counted.head, cluster)
-    return layer, recompute, first, last
+    """A block's `Pass` and recompute seconds, the embedding's and the head's `Pass`:
+    from the FLOP and byte formulas, or, for a model with counted ``kernels`` (an eager
+    CPU run), from those, split into I and W as the formulas split them."""
+    layer, recompute = layer_pass(model, cluster, layout)
+    first, last = embedding_pass(model, cluster, layout), loss_pass(model, cluster, layout)
+    counted = model.kernels
+    if counted is None:
+        return layer, recompute, first, last
+    tokens = layout.micro_batch * model.seq_len
+    if layout.tp > 1 or counted.tokens != tokens:
+        raise ValueError(f"the model's kernels were counted on one device at micro-batches "
+                         f"of {counted.tokens} tokens; this layout runs tp = {layout.tp} at "
+                         f"{tokens} tokens (micro_batch {layout.micro_batch} × seq_len "
+                         f"{model.seq_len}): count them at the layout's micro-batch "
+                         f"(`plan.kernels.count_kernels`) with tp = 1")
+    block = counted_pass(counted.block, cluster, _weight_share(layer))
+    return (block, block.forward if layout.recompute == "full" else 0.0,
+            counted_pass(counted.embedding, cluster, _weight_share(first)),
+            counted_pass(counted.head, cluster, _weight_share(last)))
 
 
 def chunk_costs(model: Model, cluster: Cluster, layout: Layout) -> ChunkCosts:
@@ -188,6 +198,26 @@ def chunk_costs(model: Model, cluster: Cluster, layout: Layout) -> ChunkCosts:
         backward.append(work.input_grad + work.weight_grad + n * recompute)
         weight.append(work.weight_grad)
     return ChunkCosts(layers, forward, backward, weight)
+
+
+def as_executed(costs: ChunkCosts, cluster: Cluster, rank_of: list[int]) -> ChunkCosts:
+    """``costs`` as an executor runs them: each action with `Cluster.action_overhead`,
+    and what messages cost the processors at their two ends. Each action that sends to
+    another rank pays `Cluster.send_overhead` (a forward to the next chunk's rank, a
+    backward, its I, to the previous one's), each that receives from another rank
+    `Cluster.receive_overhead` (a forward from the previous chunk's rank, a backward
+    from the next one's). A split backward's W, an action of its own, is priced without
+    the action overhead (per-stage costs cannot tell which backwards a schedule splits)."""
+    last = len(costs.forward) - 1
+    send, receive, action = (cluster.send_overhead, cluster.receive_overhead,
+                             cluster.action_overhead)
+    after = [c > 0 and rank_of[c - 1] != rank_of[c] for c in range(last + 1)]
+    before = [c < last and rank_of[c + 1] != rank_of[c] for c in range(last + 1)]
+    forward = [f + action + send * before[c] + receive * after[c]
+               for c, f in enumerate(costs.forward)]
+    backward = [b + action + send * after[c] + receive * before[c]
+                for c, b in enumerate(costs.backward)]
+    return replace(costs, forward=forward, backward=backward)
 
 
 def crosses_nodes(layout: Layout, cluster: Cluster) -> bool:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pipeline_lib.plan.model import Work
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -22,7 +24,20 @@ class Cluster:
     ``kernel_overhead`` is what a kernel costs however small it is (seconds): on a CPU
     running eager PyTorch, the dispatch and autograd bookkeeping of each operation, which
     is most of a small model's step; 0 on the GPU presets, whose kernels are queued ahead
-    and start as the previous one ends.
+    and start as the previous one ends. ``backward_overhead`` is the same for an
+    operation of a backward, which autograd's engine dispatches from C++ with no Python
+    frame or module call around it (None: as ``kernel_overhead``). ``action_overhead`` is
+    what a pipeline executor spends per action besides its kernels (on a CPU its
+    Python: cutting the graph at the stage boundary, the micro-batch's random stream);
+    0 on the GPU presets, hidden behind the kernels queued ahead.
+    ``send_overhead`` is what sending one stage-to-stage message costs the sender's own
+    processor (LogP's o, Culler et al. 1993): on a CPU, gloo's sends run on the rank's
+    core, in line with its compute; 0 on the GPU presets, whose messages NCCL moves on a
+    stream of its own.
+    ``receive_overhead`` is what a message costs its receiver's processor (LogP's o at
+    the other end): on a CPU, handling it and resuming after the wait, when the rank's
+    thread may come back on another core, its caches cold, or (threads of one process)
+    find the GIL held; 0 on the GPU presets.
     """
 
     name: str
@@ -37,6 +52,10 @@ class Cluster:
     latency: float = 10e-6       # seconds per message
     value_bytes: int = 2
     kernel_overhead: float = 0.0
+    backward_overhead: float | None = None
+    action_overhead: float = 0.0
+    send_overhead: float = 0.0
+    receive_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "hbm_bytes", "hbm_bandwidth", "intra_node_bandwidth",
@@ -51,9 +70,11 @@ class Cluster:
                 raise ValueError(f"Cluster {self.name!r}: {name} is a fraction of the "
                                  f"spec-sheet number, in (0, 1]; got {value!r}")
         if self.gpus_per_node < 1 or self.value_bytes not in (2, 4) or self.latency < 0 \
-                or self.kernel_overhead < 0:
+                or min(self.kernel_overhead, self.backward_overhead or 0.0,
+                       self.action_overhead, self.send_overhead, self.receive_overhead) < 0:
             raise ValueError(f"Cluster {self.name!r}: need gpus_per_node >= 1, value_bytes "
-                             f"2 or 4, latency >= 0 and kernel_overhead >= 0")
+                             f"2 or 4, and latency and the kernel, backward, action, send "
+                             f"and receive overheads >= 0")
 
     def gemm_seconds(self, flops: float, nbytes: float) -> float:
         """A roofline: a kernel takes the longer of its compute and its memory traffic."""
@@ -65,6 +86,18 @@ class Cluster:
         """Memory-bound kernels (norm, softmax, dropout, optimizer): bytes over HBM."""
         return nbytes / (self.hbm_bandwidth * self.bandwidth_efficiency) \
             + kernels * self.kernel_overhead
+
+    def work_seconds(self, work: Work, backward: bool = False) -> float:
+        """Counted kernels (`Work`, of a ``backward`` or a forward): each operation's
+        fixed cost, the matrix multiplies' FLOPs, and every byte read or written. Their
+        sum, not a roofline's maximum: the rates are what one more token adds
+        (`plan.measure.marginal_rate`), so the bytes a multiply streams whatever its size
+        (its weights) are not hidden behind them."""
+        per_op = self.backward_overhead if backward and self.backward_overhead is not None \
+            else self.kernel_overhead
+        return work.ops * per_op \
+            + work.flops / (self.peak_flops * self.matmul_efficiency) \
+            + (work.gemm_bytes + work.nbytes) / (self.hbm_bandwidth * self.bandwidth_efficiency)
 
     def link_bandwidth(self, inter_node: bool) -> float:
         nominal = self.inter_node_bandwidth if inter_node else self.intra_node_bandwidth

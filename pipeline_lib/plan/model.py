@@ -10,24 +10,48 @@ RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
-class Dispatches:
-    """Operations an eager framework dispatches for one micro-batch, as (forward,
-    backward) counts: of one block, of the embedding, and of the head (final norm,
-    vocabulary projection and loss). Counted on the real modules, once
-    (`pipeline_lib.plan.local.count_dispatches`): on a CPU each costs
-    `Cluster.kernel_overhead` however small it is, which is most of a small model's step.
-    Without them a `Model` is priced as the fused kernels a GPU framework queues ahead."""
+class Work:
+    """What one pass dispatches in an eager framework: its operations, the FLOPs of its
+    matrix multiplies, the bytes those read and write (``gemm_bytes``: weights
+    streamed, inputs, outputs) and the bytes every other operation reads and writes
+    (``nbytes``; views and allocations move none). `Cluster.work_seconds` prices it."""
 
-    block: tuple[int, int]
-    embedding: tuple[int, int]
-    head: tuple[int, int]
+    ops: int
+    flops: float = 0.0
+    gemm_bytes: float = 0.0
+    nbytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ops, bool) or not isinstance(self.ops, int) or self.ops < 0 \
+                or min(self.flops, self.gemm_bytes, self.nbytes) < 0:
+            raise ValueError(f"Work: ops must be an integer >= 0 and flops, gemm_bytes, "
+                             f"nbytes >= 0; got {self!r}")
+
+
+Passes = tuple[Work, Work]   # (forward, backward)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The kernels an eager framework dispatches for one micro-batch of ``tokens``
+    tokens, forward and backward: of one block, of the embedding, and of the head (final
+    norm, vocabulary projection and loss). Counted once on the real modules with a
+    dispatch mode (`pipeline_lib.plan.kernels.count_kernels`): on a CPU a small model's
+    step is mostly what each operation costs however small, and its kernels are not the
+    fused ones a GPU framework queues ahead, so they are priced as counted. Without them
+    a `Model` is priced from its FLOP and byte formulas (`costs`)."""
+
+    block: Passes
+    embedding: Passes
+    head: Passes
+    tokens: int
 
     def __post_init__(self) -> None:
         for name in ("block", "embedding", "head"):
             value = getattr(self, name)
-            if len(value) != 2 or any(not isinstance(n, int) or n < 0 for n in value):
-                raise ValueError(f"Dispatches: {name} must be (forward, backward) counts of "
-                                 f"operations, two integers >= 0; got {value!r}")
+            if len(value) != 2 or not all(isinstance(w, Work) for w in value):
+                raise ValueError(f"Kernels: {name} must be (forward, backward) `Work`s; "
+                                 f"got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -38,9 +62,9 @@ class Model:
     matrices of ``hidden × ffn_hidden``; Llama) instead of two (GPT). ``dropout``: whether
     the blocks drop out (GPT-2/3 and Megatron-LM's GPTs do, after the attention softmax
     and before each residual add; Llama does not), which decides whether the backward
-    keeps dropout masks (Korthikanti et al. 2022, Sec. 4.1). ``dispatches``: the
-    operations its implementation dispatches per pass (`Dispatches`), for a CPU's
-    per-operation cost; None prices the structural kernels only."""
+    keeps dropout masks (Korthikanti et al. 2022, Sec. 4.1). ``kernels``: what its
+    implementation dispatches per pass, counted (`Kernels`), for an eager CPU run; None
+    prices the kernels of its FLOP and byte formulas."""
 
     layers: int
     hidden: int
@@ -51,7 +75,7 @@ class Model:
     kv_heads: int | None = None
     gated_mlp: bool = False
     dropout: bool = True
-    dispatches: Dispatches | None = None
+    kernels: Kernels | None = None
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq_len", "vocab", "ffn_hidden", "kv_heads"):

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline_lib.plan.costs import ChunkCosts, chunk_costs, message_seconds, ring_seconds
+from pipeline_lib.plan.costs import (ChunkCosts, as_executed, chunk_costs, message_seconds,
+                                     ring_seconds)
 from pipeline_lib.plan.hardware import CLUSTERS, Cluster
 from pipeline_lib.plan.memory import Memory, layer_activation_bytes, logits_bytes, state_bytes
 from pipeline_lib.plan.model import Layout, Model, check_fits
@@ -122,8 +123,9 @@ def predict(model: Model, cluster: Cluster | str, layout: Layout,
                          f"{layout.dp} = {layout.gpus} GPUs, not {gpus}: change dp (or tp, "
                          f"pp) so that the product is {gpus}")
     check_fits(model, layout)
-    costs = chunk_costs(model, cluster, layout)
     schedule = build(layout.schedule, layout.pp, layout.microbatches, layout.chunks_per_rank)
+    costs = as_executed(chunk_costs(model, cluster, layout), cluster,
+                       [schedule.rank_of(c) for c in range(schedule.stages)])
     comm = message_seconds(model, cluster, layout)
     timeline = simulate(schedule, costs.forward, costs.backward, costs.weight, comm)
     makespan = timeline.makespan

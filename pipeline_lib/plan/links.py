@@ -1,0 +1,160 @@
+"""What messages cost between the ranks of this machine, measured: gloo sends between
+two processes (latency, bandwidth, and what a message costs the cores at its two ends),
+or a queue hand-off between two threads of one process (the threaded `Pipe`).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from pipeline_lib.distributed.p2p import HEADER_SLOTS, Message, pack
+from pipeline_lib.plan.measure import block_work, median_seconds
+
+
+def _resume_cost(work: Callable[[], None], exchange: Callable[[], None],
+                 agree: Callable[[int], int] = lambda n: n, budget: float = 1.0) -> float:
+    """How much longer ``work`` takes when each run follows an ``exchange`` of messages
+    with another rank, as a pipeline runs its actions, than run after run alone
+    (medians; about ``budget`` seconds each way; ``agree`` makes the ranks run as many
+    exchanges)."""
+    work()
+    start = time.perf_counter()
+    work()
+    repeats = agree(int(min(200, max(5, budget / max(time.perf_counter() - start, 1e-6)))))
+    times: dict[str, list[float]] = {"alone": [], "between": []}
+    for name in times:
+        for _ in range(repeats):
+            if name == "between":
+                exchange()
+            start = time.perf_counter()
+            work()
+            times[name].append(time.perf_counter() - start)
+    return max(statistics.median(times["between"]) - statistics.median(times["alone"]), 0.0)
+
+
+def thread_handoff(repeats: int = 200) -> float:
+    """Seconds for one tensor to pass from one thread to another through a queue (half a
+    round trip): the message latency between the threaded `Pipe`'s stage threads, which
+    share one process's memory and copy nothing."""
+    there: queue.Queue = queue.Queue()
+    back: queue.Queue = queue.Queue()
+    x = torch.ones(1)
+
+    def echo() -> None:
+        for _ in range(repeats + 1):
+            back.put(there.get())
+    worker = threading.Thread(target=echo, daemon=True)
+    worker.start()
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        there.put(x)
+        back.get()
+        times.append(time.perf_counter() - start)
+    worker.join()
+    return statistics.median(times[1:]) / 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ping_pong(rank: int, port: int, nbytes: int, message_bytes: int, repeats: int,
+               block: nn.Module | None, shape: tuple[int, ...], out: str) -> None:
+    """Rank 0 sends a tensor, rank 1 sends it back; half the round trip is one send.
+    Then what a message (`p2p`'s header and one tensor of ``message_bytes``) costs the
+    sender: the time its sends take to return into receives posted before them. Then,
+    with a ``block``, what a message costs its receiver (`_resume_cost`): both ranks run
+    its forward and backward on a micro-batch of ``shape``, alone, then each between
+    two exchanges of such messages, receives posted early."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        times = {}
+        for name, size in (("small", 1), ("large", nbytes // 4)):
+            buffer = torch.zeros(size)
+
+            def trip() -> None:
+                if rank == 0:
+                    dist.send(buffer, 1)
+                    dist.recv(buffer, 1)
+                else:
+                    dist.recv(buffer, 0)
+                    dist.send(buffer, 0)
+            times[name] = median_seconds(trip, repeats) / 2
+
+        def message() -> list[torch.Tensor]:
+            return [torch.zeros(HEADER_SLOTS, dtype=torch.int64),
+                    torch.zeros(message_bytes // 4)]
+        sends, activation = [], message()[1]
+        for _ in range(4 * repeats):
+            works = [dist.irecv(t, 0) for t in message()] if rank == 1 else []
+            dist.barrier()
+            time.sleep(0.001)           # the receives are posted before the sends start
+            if rank == 0:               # as `p2p.Transport.send` sends: pack, then isend
+                start = time.perf_counter()
+                header, tensors = pack(Message("activation", 1, 0), activation)
+                works = [dist.isend(t, 1) for t in (torch.tensor(header), *tensors)]
+                sends.append(time.perf_counter() - start)
+            for work in works:
+                work.wait()
+        resume = 0.0
+        if block is not None:
+            peer, outgoing, incoming = 1 - rank, message(), message()
+            posted = [dist.irecv(t, peer) for t in incoming]
+
+            def exchange() -> None:
+                nonlocal posted
+                sent = [dist.isend(t, peer) for t in outgoing]
+                for work in posted + sent:
+                    work.wait()
+                posted = [dist.irecv(t, peer) for t in incoming]
+
+            def fewest(n: int) -> int:
+                counts = torch.tensor([n])
+                dist.all_reduce(counts, op=dist.ReduceOp.MIN)
+                return int(counts)
+            resume = _resume_cost(block_work(block, shape), exchange, fewest)
+            dist.barrier()
+            for t in outgoing:                   # answer the last receives posted
+                dist.send(t, peer)
+            for work in posted:
+                work.wait()
+        if rank == 0:
+            with open(out, "w") as f:
+                f.write(f"{times['small']} {times['large']} {statistics.median(sends)} {resume}")
+    finally:
+        dist.destroy_process_group()
+
+
+def gloo_send(nbytes: int = 16 * 2 ** 20, message_bytes: int = 4, repeats: int = 7,
+              block: nn.Module | None = None, shape: tuple[int, ...] = ()
+              ) -> tuple[float, float, float, float]:
+    """(latency s, bandwidth bytes/s, send overhead s, receive overhead s) of gloo sends
+    between two processes here. The send overhead is what a message of
+    ``message_bytes`` (with its header) costs its sender's core; the latency is a
+    one-value send's time, and the bandwidth what a ``nbytes`` send adds to it. The
+    receive overhead is what resuming ``block``'s work after a message costs the
+    receiver (0 without a block)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times")
+        mp.start_processes(_ping_pong, args=(_free_port(), nbytes, message_bytes, repeats,
+                                             block, shape, out),
+                           nprocs=2, start_method="spawn")
+        with open(out) as f:
+            small, large, sent, resume = map(float, f.read().split())
+    return small, nbytes / max(large - small, 1e-9), sent, resume
