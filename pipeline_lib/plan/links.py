@@ -72,71 +72,88 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _half_round_trip(rank: int, values: int, repeats: int) -> float:
+    """Rank 0 sends ``values`` floats, rank 1 sends them back: half of that is one send."""
+    buffer = torch.zeros(values)
+
+    def trip() -> None:
+        if rank == 0:
+            dist.send(buffer, 1)
+            dist.recv(buffer, 1)
+        else:
+            dist.recv(buffer, 0)
+            dist.send(buffer, 0)
+    return median_seconds(trip, repeats) / 2
+
+
+def _message(message_bytes: int) -> list[torch.Tensor]:
+    """Buffers for `p2p`'s header and one float32 tensor of ``message_bytes``."""
+    return [torch.zeros(HEADER_SLOTS, dtype=torch.int64), torch.zeros(message_bytes // 4)]
+
+
+def _send_cost(rank: int, message_bytes: int, repeats: int) -> float:
+    """What sending a message costs rank 0's core: packing its header and starting its
+    two sends into receives that rank 1 posted before them, as `p2p.Transport.send`
+    does (rank 1 returns 0)."""
+    sends, activation = [], _message(message_bytes)[1]
+    for _ in range(repeats):
+        works = [dist.irecv(t, 0) for t in _message(message_bytes)] if rank == 1 else []
+        dist.barrier()
+        time.sleep(0.001)           # the receives are posted before the sends start
+        if rank == 0:
+            start = time.perf_counter()
+            header, tensors = pack(Message("activation", 1, 0), activation)
+            works = [dist.isend(t, 1) for t in (torch.tensor(header), *tensors)]
+            sends.append(time.perf_counter() - start)
+        for work in works:
+            work.wait()
+    return statistics.median(sends) if sends else 0.0
+
+
+def _receive_cost(rank: int, message_bytes: int, block: nn.Module,
+                  shape: tuple[int, ...]) -> float:
+    """What a message costs its receiver (`_resume_cost`): both ranks run ``block``
+    forward and backward on a micro-batch of ``shape``, alone, then each run between two
+    exchanges of messages of ``message_bytes``, receives posted early."""
+    peer, outgoing, incoming = 1 - rank, _message(message_bytes), _message(message_bytes)
+    posted = [dist.irecv(t, peer) for t in incoming]
+
+    def exchange() -> None:
+        nonlocal posted
+        sent = [dist.isend(t, peer) for t in outgoing]
+        for work in posted + sent:
+            work.wait()
+        posted = [dist.irecv(t, peer) for t in incoming]
+
+    def fewest(n: int) -> int:
+        counts = torch.tensor([n])
+        dist.all_reduce(counts, op=dist.ReduceOp.MIN)
+        return int(counts)
+    resume = _resume_cost(block_work(block, shape), exchange, fewest)
+    dist.barrier()
+    for t in outgoing:                   # answer the last receives posted
+        dist.send(t, peer)
+    for work in posted:
+        work.wait()
+    return resume
+
+
 def _ping_pong(rank: int, port: int, nbytes: int, message_bytes: int, repeats: int,
                block: nn.Module | None, shape: tuple[int, ...], out: str) -> None:
-    """Rank 0 sends a tensor, rank 1 sends it back; half the round trip is one send.
-    Then what a message (`p2p`'s header and one tensor of ``message_bytes``) costs the
-    sender: the time its sends take to return into receives posted before them. Then,
-    with a ``block``, what a message costs its receiver (`_resume_cost`): both ranks run
-    its forward and backward on a micro-batch of ``shape``, alone, then each between
-    two exchanges of such messages, receives posted early."""
+    """One of two gloo processes: a one-value and an ``nbytes`` round trip, what a
+    message costs its sender, and with a ``block`` what it costs its receiver; rank 0
+    writes them to ``out``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        times = {}
-        for name, size in (("small", 1), ("large", nbytes // 4)):
-            buffer = torch.zeros(size)
-
-            def trip() -> None:
-                if rank == 0:
-                    dist.send(buffer, 1)
-                    dist.recv(buffer, 1)
-                else:
-                    dist.recv(buffer, 0)
-                    dist.send(buffer, 0)
-            times[name] = median_seconds(trip, repeats) / 2
-
-        def message() -> list[torch.Tensor]:
-            return [torch.zeros(HEADER_SLOTS, dtype=torch.int64),
-                    torch.zeros(message_bytes // 4)]
-        sends, activation = [], message()[1]
-        for _ in range(4 * repeats):
-            works = [dist.irecv(t, 0) for t in message()] if rank == 1 else []
-            dist.barrier()
-            time.sleep(0.001)           # the receives are posted before the sends start
-            if rank == 0:               # as `p2p.Transport.send` sends: pack, then isend
-                start = time.perf_counter()
-                header, tensors = pack(Message("activation", 1, 0), activation)
-                works = [dist.isend(t, 1) for t in (torch.tensor(header), *tensors)]
-                sends.append(time.perf_counter() - start)
-            for work in works:
-                work.wait()
-        resume = 0.0
-        if block is not None:
-            peer, outgoing, incoming = 1 - rank, message(), message()
-            posted = [dist.irecv(t, peer) for t in incoming]
-
-            def exchange() -> None:
-                nonlocal posted
-                sent = [dist.isend(t, peer) for t in outgoing]
-                for work in posted + sent:
-                    work.wait()
-                posted = [dist.irecv(t, peer) for t in incoming]
-
-            def fewest(n: int) -> int:
-                counts = torch.tensor([n])
-                dist.all_reduce(counts, op=dist.ReduceOp.MIN)
-                return int(counts)
-            resume = _resume_cost(block_work(block, shape), exchange, fewest)
-            dist.barrier()
-            for t in outgoing:                   # answer the last receives posted
-                dist.send(t, peer)
-            for work in posted:
-                work.wait()
+        small = _half_round_trip(rank, 1, repeats)
+        large = _half_round_trip(rank, nbytes // 4, repeats)
+        sent = _send_cost(rank, message_bytes, 4 * repeats)
+        resume = 0.0 if block is None else _receive_cost(rank, message_bytes, block, shape)
         if rank == 0:
             with open(out, "w") as f:
-                f.write(f"{times['small']} {times['large']} {statistics.median(sends)} {resume}")
+                f.write(f"{small} {large} {sent} {resume}")
     finally:
         dist.destroy_process_group()
 

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import replace
 
 from torch import nn
 
 from pipeline_lib.plan.hardware import Cluster
 from pipeline_lib.plan.links import gloo_send, thread_handoff
-from pipeline_lib.plan.measure import (with_threads, action_overhead, block_overhead, busy_peer,
+from pipeline_lib.plan.measure import (action_overhead, block_overhead, busy_peer,
                                        kernel_overhead, matmul_flops, memory_bandwidth,
-                                       model_matmul_flops, model_memory_bandwidth)
+                                       model_matmul_flops, model_memory_bandwidth,
+                                       with_threads)
 from pipeline_lib.plan.model import Model
 
 
@@ -38,23 +40,20 @@ def measure_local_cluster(threads: int = 1, ranks: int = 2, model: Model | None 
     if transport not in ("gloo", "threads"):
         raise ValueError(f"transport must be 'gloo' (processes) or 'threads', not {transport!r}")
     shape = (micro_batch, model.seq_len, model.hidden) if model is not None else ()
-    peer = busy_peer(block, shape) if transport == "threads" and block is not None \
-        and model is not None else contextlib.nullcontext()
-    with peer:
+
+    def computing() -> contextlib.AbstractContextManager[None]:
+        threaded = transport == "threads" and block is not None and model is not None
+        return busy_peer(block, shape) if threaded else contextlib.nullcontext()
+
+    with computing():
         if model is None:
             peak, bandwidth = matmul_flops(threads=threads), memory_bandwidth(threads=threads)
         else:
             peak = model_matmul_flops(model, micro_batch, threads=threads)
             bandwidth = memory_bandwidth(threads=threads) if block is None else \
                 model_memory_bandwidth(model, micro_batch, block, peak, threads=threads)
-        overheads = dict(kernel_overhead=kernel_overhead(threads=threads),
-                         action_overhead=with_threads(threads, action_overhead))
-        rates = Cluster("rates", peak_flops=peak, hbm_bytes=1, hbm_bandwidth=bandwidth,
-                        gpus_per_node=1, intra_node_bandwidth=1, inter_node_bandwidth=1,
-                        matmul_efficiency=1.0, bandwidth_efficiency=1.0)
-        if model is not None and block is not None:
-            overheads["kernel_overhead"], overheads["backward_overhead"] = with_threads(
-                threads, lambda: block_overhead(block, rates, model.hidden))
+        per_op, per_action = kernel_overhead(threads=threads), with_threads(threads,
+                                                                            action_overhead)
     if transport == "gloo":
         message = 4 * micro_batch * model.seq_len * model.hidden if model is not None else 4
         latency, link, send, receive = gloo_send(message_bytes=message, block=block,
@@ -62,8 +61,15 @@ def measure_local_cluster(threads: int = 1, ranks: int = 2, model: Model | None 
     else:     # nothing is copied: no bytes to move, and a hand-off is all of it
         latency, link, send, receive = thread_handoff(), bandwidth, 0.0, 0.0
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks
-    return Cluster("this machine", peak_flops=peak, hbm_bytes=memory,
-                   hbm_bandwidth=bandwidth, gpus_per_node=ranks,
-                   intra_node_bandwidth=link, inter_node_bandwidth=link,
-                   matmul_efficiency=1.0, bandwidth_efficiency=1.0, latency=latency,
-                   value_bytes=4, send_overhead=send, receive_overhead=receive, **overheads)
+    cluster = Cluster("this machine", peak_flops=peak, hbm_bytes=memory,
+                      hbm_bandwidth=bandwidth, gpus_per_node=ranks,
+                      intra_node_bandwidth=link, inter_node_bandwidth=link,
+                      matmul_efficiency=1.0, bandwidth_efficiency=1.0, latency=latency,
+                      value_bytes=4, kernel_overhead=per_op, action_overhead=per_action,
+                      send_overhead=send, receive_overhead=receive)
+    if model is None or block is None:
+        return cluster
+    with computing():
+        forward, backward = with_threads(
+            threads, lambda: block_overhead(block, cluster, model.hidden))
+    return replace(cluster, kernel_overhead=forward, backward_overhead=backward)
