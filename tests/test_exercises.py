@@ -15,9 +15,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
 from conftest import notebook_needs_wikitext
+from notebook_client import notebook_client
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -91,8 +91,7 @@ def test_enough_exercises_ask_for_code():
 def test_student_version_fails_every_check_with_its_message(notebook):
     nb = student_version(notebook)
     assert "### BEGIN SOLUTION" not in "".join(c.source for c in nb.cells)
-    NotebookClient(nb, timeout=RUN_S, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": str(notebook.parent)}}).execute()
+    notebook_client(nb, notebook.parent, RUN_S, allow_errors=True).execute()
     found = checks(nb)
     for i, name in found:
         failures = errors(nb.cells[i])
