@@ -189,9 +189,10 @@ def notebook03_run(steps: int, rounds: int) -> list[dict]:
     return [dict(run="notebook 03 threaded Pipe GPipe", m=chunks,
                  measured_s=statistics.median(times), measured_steps_s=times,
                  predicted_s=plan.pipeline_time, balance=balance,
-                 stage_s=[statistics.median(durations[s, "F"]) + statistics.median(durations[s, "B"])
-                          for s in range(2)],
-                 predicted_stage_s=[f + b for f, b in zip(plan.costs.forward, plan.costs.backward)],
+                 stage_s=[statistics.median(durations[s, "F"])
+                          + statistics.median(durations[s, "B"]) for s in range(2)],
+                 predicted_stage_s=[f + b for f, b in zip(plan.costs.forward,
+                                                          plan.costs.backward)],
                  cluster=cluster.__dict__)]
 
 
