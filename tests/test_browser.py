@@ -89,15 +89,23 @@ class LabServer:
                 start_new_session=True)
         info = runtime / f"jpserver-{self.proc.pid}.json"   # lab.py execs: same pid
         deadline = time.monotonic() + SERVER_START_S
-        while not info.is_file():
+        while (port := self.port(info)) is None:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"JupyterLab exited with {self.proc.returncode}:\n{self.tail()}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"JupyterLab did not start in {SERVER_START_S} s:\n{self.tail()}")
             time.sleep(0.5)
-        port = json.loads(info.read_text())["port"]
         self.url = f"http://127.0.0.1:{port}"
         self.api("GET", "/api/status")
+
+    @staticmethod
+    def port(info: Path) -> int | None:
+        """The port the server's info file names, None until it is written whole (the
+        server creates the file, then writes it: it can be read empty in between)."""
+        try:
+            return json.loads(info.read_text())["port"]
+        except (OSError, ValueError, KeyError):
+            return None
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:] if self.log.is_file() else ""
@@ -129,7 +137,8 @@ class LabServer:
             return []
         if self.proc.poll() is None:
             try:
-                self.api("POST", "/api/shutdown")     # also shuts its kernels down
+                if self.url:                          # else it never said where it is
+                    self.api("POST", "/api/shutdown")     # also shuts its kernels down
             except OSError:
                 pass
             for sig in (signal.SIGTERM, signal.SIGKILL):
