@@ -25,6 +25,7 @@ import gc
 import itertools
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import AbstractSet, Callable, Iterator, Literal, NamedTuple, Sequence
 
 from pipeline_lib.deprecation import renamed_keywords
@@ -82,6 +83,32 @@ class Schedule:
     def __str__(self) -> str:
         return f"{self.name} (ranks={self.ranks}, microbatches={self.microbatches}, " \
                f"virtual_stages={self.virtual_stages})\n{self.grid()}"
+
+    # PyTorch's notation: see pipeline_lib.pytorch.notation, which these delegate to.
+
+    def to_pytorch(self, overlap: bool = True) -> list[list[str]]:
+        """Per rank, the program in PyTorch's notation (``["0F0", "0F1", "0B0", ...]``);
+        DualPipeV's F&B pairs as ``(0F7;7B3)OVERLAP_F_B`` unless ``overlap`` is False."""
+        from pipeline_lib.pytorch.notation import to_pytorch
+        return to_pytorch(self, overlap)
+
+    def to_csv(self, path: str | Path,
+               format: Literal["compute_only", "compute_comms"] = "compute_only",
+               overlap: bool = True) -> Path:
+        """Write the schedule as a CSV that PyTorch's ``_PipelineScheduleRuntime._load_csv``
+        reads with the same ``format``, and torchtitan takes as its
+        ``pipeline_parallel_schedule_csv`` (``compute_only``); ``compute_comms`` adds the
+        sends and receives of our lowering."""
+        from pipeline_lib.pytorch.notation import to_csv
+        return to_csv(self, path, format, overlap)
+
+    @classmethod
+    def from_csv(cls, path: str | Path, name: str | None = None,
+                 microbatches: int | None = None) -> "Schedule":
+        """A schedule CSV in PyTorch's notation (``compute_only`` or ``compute_comms``,
+        from PyTorch, torchtitan or by hand) as a validated `Schedule`."""
+        from pipeline_lib.pytorch.notation import from_csv
+        return from_csv(path, name, microbatches)
 
 
 def v_shape(ranks: int) -> tuple[int, ...]:
@@ -275,6 +302,14 @@ class _Program:
         self.actions: list[Action] = []
         self.count: Counter[tuple[int, str]] = Counter()
         self.waiting_weights: list[tuple[int, int]] = []
+        self.overlapped: list[tuple[Action, Action]] = []
+
+    def overlap(self, forward: int, backward: int) -> None:
+        """A forward of stage ``forward``, then a full backward of stage ``backward``,
+        recorded as a pair the two may overlap (DualPipeV's F&B)."""
+        self.add(forward, "F")
+        self.add(backward, "B")
+        self.overlapped.append((self.actions[-2], self.actions[-1]))
 
     def add(self, stage: int, *kinds: str) -> None:
         for kind in kinds:
@@ -352,14 +387,15 @@ def dualpipe_v(ranks: int, microbatches: int) -> Schedule:
 
     The steady state pairs a forward of one virtual stage with a full backward of the other
     (``F&B``); DeepSeek overlaps the two so that one's communication hides under the
-    other's compute. Our executors run one action at a time, so a pair is an F, then a B.
-    The start fills the V with split backwards (I, then the W at once); the end splits the
+    other's compute. Our executors run one action at a time, so a pair is an F, then a B;
+    the pairs are kept in ``meta["overlapped"]``, which `to_pytorch` writes as PyTorch's
+    overlapped steps. The start fills the V with split backwards (I, then the W at once); the end splits the
     backwards again and runs the Ws where the rank would otherwise wait.
     """
     _check_sizes(ranks, microbatches)
     p, m = ranks, microbatches
     n = max(m, 2 * p)        # the pattern needs a micro-batch per stage
-    programs = []
+    programs, pairs = [], []
     for r in range(p):
         down, up = r, 2 * p - 1 - r
         prog = _Program()
@@ -372,15 +408,16 @@ def dualpipe_v(ranks: int, microbatches: int) -> Schedule:
             prog.add(up, "I")
             prog.weight()
             prog.add(up, "F")
-        for _ in range(n - 2 * p + r + 1):                   # 4: F&B pairs, both ways
-            prog.add(down, "F")
-            prog.add(up, "B")
-            prog.add(up, "F")
-            prog.add(down, "B")
+        for i in range(n - 2 * p + r + 1):                   # 4: F&B pairs, both ways
+            if i == 0 and r == p - 1:     # the bottom's first: nothing to hide yet
+                prog.add(down, "F")
+                prog.add(up, "B")
+            else:
+                prog.overlap(down, up)
+            prog.overlap(up, down)
         for _ in range(p - 1 - r):                           # 5: no forwards left down
             prog.add(up, "B")
-            prog.add(up, "F")
-            prog.add(down, "B")
+            prog.overlap(up, down)
         split = False                                        # 6: backwards, then split
         for i in range(r + 1):
             split = split or (i == (r + 1) // 2 and r % 2 == 1)
@@ -393,8 +430,9 @@ def dualpipe_v(ranks: int, microbatches: int) -> Schedule:
         while prog.weight():                                 # 8: the rest of the Ws
             pass
         programs.append(prog.actions)
+        pairs += [pair for pair in prog.overlapped if max(a.microbatch for a in pair) < m]
     return Schedule("DualPipeV", p, m, _first(programs, m), virtual_stages=2,
-                    placement=v_shape(p))
+                    placement=v_shape(p), meta={"overlapped": pairs} if pairs else {})
 
 
 BUILDERS: dict[str, Callable[..., Schedule]] = {
