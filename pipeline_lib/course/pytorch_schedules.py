@@ -2,58 +2,28 @@
 
 `torch.distributed.pipelining` (2.13) describes each schedule as a list of actions per
 rank, written as we write them (``0F1``: stage 0, forward, micro-batch 1). Its schedule
-visualiser (private, `get_schedule_ops`) builds those lists without starting processes;
-`pytorch_schedule` keeps their compute actions, in order. Two things need translating:
+visualiser (private: reached through `pipeline_lib.pytorch.private`) builds those lists
+without starting processes; `pytorch_schedule` reads them with the one reader of PyTorch's
+notation, `pipeline_lib.pytorch.notation`. Two things need translating:
 
 * **placement**: ZBVZeroBubble and DualPipeV put stages in a V, which becomes the
   schedule's ``placement``;
 * **overlapped pairs**: DualPipeV's ``(0F3;3B1)`` runs a forward and a backward of two
   chunks at once, to hide one's communication under the other's compute. Our executors
   run one action at a time, so a pair becomes its forward, then its backward; the pairs
-  are kept in ``meta["overlapped"]``.
+  are kept in ``meta["overlapped"]``, as our own `dualpipe_v` keeps them.
 """
 from __future__ import annotations
 
-import logging
-import warnings
-
-import torch
-
-from pipeline_lib.schedules import LOOPED, Action, Schedule, build, validate
+from pipeline_lib.pytorch import private
+from pipeline_lib.pytorch.notation import from_pytorch
+from pipeline_lib.schedules import LOOPED, Schedule, build, validate
 from pipeline_lib.timeline import simulate, summary
 
 # our builder's name -> PyTorch's schedule
 PYTORCH_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
                  "looped_bfs": "LoopedBFS", "interleaved_zero_bubble": "InterleavedZeroBubble",
                  "zb_v": "ZBVZeroBubble", "dualpipe_v": "DualPipeV"}
-_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
-
-
-def get_schedule_ops(*args, **kwargs) -> list:
-    """PyTorch's private schedule visualiser (``get_schedule_ops`` of 2.13), called with
-    ``args``; a private API may vanish from a release, so its absence is an ImportError
-    that says which torch has it, not a bare module-not-found."""
-    try:
-        from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops as ops
-    except ImportError as exc:
-        raise ImportError(
-            f"torch.distributed.pipelining._schedule_visualizer.get_schedule_ops, a private "
-            f"PyTorch API that pipeline_lib.course.pytorch_schedules and notebook 06 use, is missing "
-            f"from torch {torch.__version__}: install the torch this suite is tested with, "
-            f"pip install torch==2.13.0 (see requirements.txt)") from exc
-    return ops(*args, **kwargs)
-
-
-def _pytorch_ops(name: str, ranks: int, microbatches: int, virtual_stages: int | None) -> list:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")          # it warns that it is a private API
-        logger = logging.getLogger("torch.distributed.pipelining.schedules")
-        level = logger.level
-        logger.setLevel(logging.ERROR)           # and about the idle slots it adds
-        try:
-            return get_schedule_ops(name, ranks, microbatches, virtual_stages)
-        finally:
-            logger.setLevel(level)
 
 
 def pytorch_schedule(name: str, ranks: int, microbatches: int,
@@ -63,31 +33,11 @@ def pytorch_schedule(name: str, ranks: int, microbatches: int,
     actions, as a `Schedule`. Not validated: call `validate` on it. PyTorch's own errors
     (a micro-batch count it does not support) pass through.
 
-    Idle slots (None) and non-compute actions (sends, receives, REDUCE_GRAD) are dropped;
-    overlapped pairs are split, forward first (see the module docstring).
+    Idle slots (None) and non-compute actions (REDUCE_GRAD) are dropped; overlapped pairs
+    are split, forward first (see the module docstring).
     """
-    actions: list[list[Action]] = []
-    overlapped: list[tuple[Action, Action]] = []
-    for order in _pytorch_ops(name, ranks, microbatches, virtual_stages):
-        program: list[Action] = []
-        for op in order:
-            if op is None:
-                continue
-            parts = op.sub_actions or (op,)
-            mine = [Action(a.stage_index, _KINDS[a.computation_type.name], a.microbatch_index)
-                    for a in parts if a.computation_type.name in _KINDS]
-            if len(mine) == 2:
-                overlapped.append((mine[0], mine[1]))
-            program += mine
-        actions.append(program)
-    where = {a.stage: r for r, program in enumerate(actions) for a in program}
-    stages = max(where) + 1
-    placement = tuple(where.get(s, -1) for s in range(stages))
-    return Schedule(f"PyTorch {name}", ranks, microbatches, actions,
-                    virtual_stages=stages // ranks,
-                    placement=None if placement == tuple(s % ranks for s in range(stages))
-                    else placement,
-                    meta={"overlapped": overlapped} if overlapped else {})
+    return from_pytorch(private.schedule_ops(name, ranks, microbatches, virtual_stages),
+                        f"PyTorch {name}", microbatches)
 
 
 def side_by_side(ranks: int, microbatches: int, virtual_stages: int = 2,

@@ -12,7 +12,8 @@
   through ``dist.`` or imported from ``torch.distributed``: both ways reach them all.
 * **6.2** (PyTorch's lowered action lists): the expected schedules are read first with
   `pytorch_schedule`, which is the reference solution, and the learner's function then
-  runs inside `withheld`, where calling it fails. The cases include 4 stages per rank (so
+  runs inside `withheld`, where calling it, or the reader of PyTorch's notation it uses
+  (`pipeline_lib.pytorch.notation`, also behind `Schedule.from_csv`), fails. The cases include 4 stages per rank (so
   a 2 written in fails), and the name passed is a label PyTorch does not know (so an
   answer that asks PyTorch for the named schedule instead of reading ``ops`` fails).
 * **6.3** (pipeline and data-parallel groups on a ``dp × pp`` mesh): ``dist.new_group`` is
@@ -41,7 +42,8 @@ import torch.distributed.distributed_c10d as c10d
 from torch import Tensor, nn
 
 from pipeline_lib.course.exercises import ExerciseFailed, withheld
-from pipeline_lib.course.pytorch_schedules import get_schedule_ops, pytorch_schedule
+from pipeline_lib.course.pytorch_schedules import pytorch_schedule
+from pipeline_lib.pytorch import private
 from pipeline_lib.schedules import Schedule, ScheduleError, validate
 
 __all__ = ["tiny_model", "stage_of", "run_in_threads", "verify_send_recv", "check_send_recv",
@@ -416,17 +418,7 @@ LOWERED_CASES: tuple[tuple[str, int, int, int], ...] = (
 
 
 def _lowered(name: str, ranks: int, microbatches: int, virtual: int) -> list[list[Any]]:
-    import logging
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        logger = logging.getLogger("torch.distributed.pipelining.schedules")
-        level = logger.level
-        logger.setLevel(logging.ERROR)
-        try:
-            return get_schedule_ops(name, ranks, microbatches, virtual, with_comms=True)
-        finally:
-            logger.setLevel(level)
+    return private.schedule_ops(name, ranks, microbatches, virtual, with_comms=True)
 
 
 def check_from_lowered(from_lowered: Callable[..., Schedule],
@@ -440,7 +432,8 @@ def check_from_lowered(from_lowered: Callable[..., Schedule],
     cases = [(name, p, m, v, _lowered(name, p, m, v), pytorch_schedule(name, p, m, v))
              for name, p, m, v in LOWERED_CASES]
     for name, p, m, v, ops, library in cases:
-        with withheld("pipeline_lib.course.pytorch_schedules", namespace=namespace):
+        with withheld("pipeline_lib.course.pytorch_schedules", "pipeline_lib.pytorch.notation",
+                      namespace=namespace):
             yours = from_lowered(ops, m, f"lowered {name}")
         _check(isinstance(yours, Schedule), f"return a Schedule, got {type(yours).__name__}")
         _check(yours.ranks == p, f"{name}: {yours.ranks} ranks in yours, {p} in the lowered "
