@@ -1,5 +1,8 @@
-"""torch.distributed.pipelining on our model: the splits, the schedule conversion, and one
-torchrun launch checked against `Pipe.step`."""
+"""torch.distributed.pipelining on our model: the splits, the schedule conversion, one
+torchrun launch checked against `Pipe.step`, and every schedule of ours exported and run by
+PyTorch's runtime on 2 and 4 processes."""
+import math
+
 import pytest
 import torch
 from torch.distributed.pipelining import pipeline
@@ -7,11 +10,12 @@ from torch.distributed.pipelining import pipeline
 from pipeline_lib.distributed.launch import TorchrunError, torchrun
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib import Pipe
-from pipeline_lib.schedules import (ScheduleError, gpipe, interleaved_1f1b, one_f_one_b,
-                                    validate)
+from pipeline_lib.schedules import (BUILDERS, ScheduleError, build, gpipe, interleaved_1f1b,
+                                    one_f_one_b, validate)
 from pipeline_lib.course.workers.torch_pipelining import (main, manual_split, materialize,
-                                                            pytorch_schedule, read_run,
-                                                            split_spec, write_pipelining_setup)
+                                                            pytorch_schedule, read_csv_run,
+                                                            read_run, split_spec,
+                                                            write_pipelining_setup)
 from pipeline_lib.lm.loops import lm_loss
 
 CONFIG = dict(vocab_size=40, d_model=16, nhead=2, d_hid=32, nlayers=2, dropout=0.0)
@@ -120,5 +124,65 @@ def test_pytorch_pipeline_equals_pipe_step(tmp_path):
             torch.testing.assert_close(run.grads[name], param.grad, rtol=1e-5, atol=1e-7)
         ours = gpipe(2, 2) if schedule == "gpipe" else one_f_one_b(2, 2)
         assert run.executed().actions == ours.actions
+        # a 1F1B step sends and receives at once: PyTorch batches them, on gloo too
+        assert run.batch_isend_irecv == ([0, 0] if schedule == "gpipe" else [1, 1])
         # the step's wall time spans every action the ranks ran in it
         assert run.step_seconds >= run.timeline.makespan > 0
+
+
+# -- our schedules, exported, on PyTorch's runtime (one torchrun launch per process count) ----
+
+EXPORTED = dict(vocab_size=40, d_model=16, nhead=2, d_hid=32, nlayers=6, dropout=0.0)
+BALANCES = ([4, 4], [2, 2, 2, 2], [1] * 8)         # 8 layers in 2, 4 or 8 stages
+# 2 processes: every builder at m = 1 (fewer micro-batches than ranks) and m = 5 (interleaved
+# in uneven rounds of 3 and 2; DualPipeV with its overlapped pairs), both CSV formats at 5.
+ON_2 = [(name, m, fmt) for name in BUILDERS for m, fmt in
+        [(1, "compute_only"), (5, "compute_only"), (5, "compute_comms")]]
+# 4 processes: every builder once, at sizes PyTorch's own builders refuse where they have one
+ON_4 = [("gpipe", 2, "compute_only"), ("1f1b", 2, "compute_only"),
+        ("zb_h1", 6, "compute_only"), ("zb_h2", 9, "compute_only"),
+        ("interleaved_1f1b", 9, "compute_comms"), ("interleaved_zero_bubble", 9, "compute_comms"),
+        ("looped_bfs", 6, "compute_comms"), ("zb_v", 6, "compute_comms"),
+        ("dualpipe_v", 6, "compute_comms")]
+
+
+@pytest.mark.parametrize("ranks, runs", [(2, ON_2), (4, ON_4)], ids=["2 processes", "4 processes"])
+def test_every_schedule_runs_in_pytorchs_runtime_with_the_unpipelined_gradients(tmp_path, ranks,
+                                                                                runs):
+    """Each schedule exported to a CSV (`Schedule.to_csv`) and run by PyTorch's
+    `_PipelineScheduleRuntime` in `ranks` gloo processes, its stages cut by our
+    `group_layers`: the loss and every gradient are the unpipelined model's, every rank ran
+    our order action for action, and none called `batch_isend_irecv`, which has hung on
+    gloo (PyTorch's own Schedule1F1B calls it: `test_pytorch_pipeline_equals_pipe_step`)."""
+    torch.manual_seed(0)
+    model = transformer_lm(**EXPORTED)
+    rows = 2 * math.lcm(*(m for _, m, _ in runs))
+    inputs, targets = torch.randint(0, EXPORTED["vocab_size"], (2, rows, 5))
+    write_pipelining_setup(tmp_path, EXPORTED, model, inputs, targets, BALANCES[0],
+                           balances=BALANCES[1:])
+    schedules = {tmp_path / f"{name}-{m}-{fmt}.csv": (build(name, ranks, m), fmt)
+                 for name, m, fmt in runs}
+    for path, (schedule, fmt) in schedules.items():
+        schedule.to_csv(path, format=fmt)
+    torchrun("pipeline_lib.course.workers.torch_pipelining",
+             [tmp_path, "--csv", ",".join(map(str, schedules)), "--steps", "1"], nproc=ranks,
+             timeout=240)
+    loss = lm_loss(model(inputs), targets)
+    loss.backward()
+    for path, (schedule, fmt) in schedules.items():
+        run = read_csv_run(tmp_path, path)
+        assert run.loss == pytest.approx(loss.item(), rel=1e-5)
+        assert sorted(run.grads) == sorted(name for name, _ in model.named_parameters())
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(run.grads[name], param.grad, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"{path.name}, {name}: {m}")
+        assert run.executed().actions == schedule.actions, path.name
+        assert run.batch_isend_irecv == [0] * ranks, path.name
+
+
+def test_the_runs_cover_every_builder_and_what_pytorchs_builders_refuse():
+    from test_pytorch_export import REFUSED
+    for runs, ranks in [(ON_2, 2), (ON_4, 4)]:
+        assert {name for name, _, _ in runs} == set(BUILDERS)
+    covered = {(name, 2, m) for name, m, _ in ON_2} | {(name, 4, m) for name, m, _ in ON_4}
+    assert {(ours, p, m) for _, p, m, _, ours, _ in REFUSED} <= covered

@@ -17,6 +17,11 @@ This file is also the torchrun worker that runs them and writes what happened::
     torchrun --nproc-per-node 2 -m pipeline_lib.course.workers.torch_pipelining WORKDIR \\
         --runs gpipe:manual,1f1b:tracer --microbatches 4
 
+With ``--csv A.csv,B.csv`` it runs instead schedules exported from ours
+(`Schedule.to_csv`) on PyTorch's ``_PipelineScheduleRuntime`` (`pipeline_lib.pytorch.runner`),
+each CSV in turn, every stage cut by our `group_layers` with ``setup.pt``'s balance for
+that many stages; `read_csv_run` reads one back.
+
 With ``--mesh PPxDP`` (and ``--nproc-per-node PP*DP``) it runs instead one 1F1B step of
 DP replicas of a PP-stage pipeline (`mesh_step`): the stages built on the meta device
 then materialised, `PipelineStage(..., group=)` on a device mesh's pipeline group, the
@@ -35,9 +40,10 @@ from __future__ import annotations
 import argparse
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,12 +51,13 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           SplitPoint, pipeline)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from pipeline_lib.distributed.launch import worker_device
 from pipeline_lib.distributed.job import process_group
 from pipeline_lib.lm.model import Embedding, transformer_lm
 from pipeline_lib.course import pytorch_schedules
+from pipeline_lib.pytorch import private
+from pipeline_lib.pytorch.runner import exported, run_step, runtime_for, stages_for
 from pipeline_lib.schedules import Action, Schedule
 from pipeline_lib.timeline import Event, Timeline
 from pipeline_lib.lm.loops import lm_loss
@@ -94,7 +101,7 @@ def split_spec(balance: Sequence[int]) -> dict[str, SplitPoint]:
 
 
 def make_stage(model: nn.Sequential, balance: Sequence[int], split: str, rank: int,
-               example_microbatch: Tensor, device: torch.device) -> _PipelineStageBase:
+               example_microbatch: Tensor, device: torch.device) -> private.StageBase:
     """This rank's `PipelineStage` on ``device``, cut out ``split``-wise ("manual" or
     "tracer"). ``model`` and the example must already be on ``device``.
 
@@ -132,9 +139,9 @@ def materialize(stage: nn.Module, state_dict: dict[str, Tensor], d_model: int,
 
 # -- watching the runtime ----------------------------------------------------------------
 
-def record_actions(stage: _PipelineStageBase, events: list[Event]) -> None:
-    """Log every forward and backward the schedule runs on ``stage`` as one of our
-    `Event`s, so PyTorch's run becomes a `Timeline` we can draw and check.
+def record_actions(stage: private.StageBase, events: list[Event]) -> None:
+    """Log every forward and backward (B, I and W) the schedule runs on ``stage`` as one
+    of our `Event`s, so PyTorch's run becomes a `Timeline` we can draw and check.
 
     Single-stage schedules do not execute their ``pipeline_order``: they run hand-written
     loops, and this shows what those loops really did. Times are wall clock
@@ -162,18 +169,29 @@ def record_actions(stage: _PipelineStageBase, events: list[Event]) -> None:
                  last_backward=last_backward)
         log("B" if full_backward else "I", bwd_chunk_id, start)
 
+    def backward_weight_one_chunk(bwd_chunk_id: int, last_backward: bool = False,
+                                  **kwargs: Any) -> None:
+        start = time.time()
+        weight(bwd_chunk_id, last_backward=last_backward, **kwargs)
+        log("W", bwd_chunk_id, start)
+
+    weight = stage.backward_weight_one_chunk
     stage.forward_one_chunk = forward_one_chunk
     stage.backward_one_chunk = backward_one_chunk
+    stage.backward_weight_one_chunk = backward_weight_one_chunk
 
 
 # -- what a notebook hands the workers, and what it gets back -----------------------------
 
 def write_pipelining_setup(workdir: str | Path, model_config: dict[str, Any],
                            model: nn.Module, inputs: Tensor, targets: Tensor,
-                           balance: Sequence[int]) -> Path:
+                           balance: Sequence[int],
+                           balances: Sequence[Sequence[int]] = ()) -> Path:
     """Save what every run starts from: ``transformer_lm(**model_config)`` with
-    ``model``'s weights, one batch, and the layers per stage. The results of earlier
-    runs in ``workdir`` are removed."""
+    ``model``'s weights, one batch, and the layers per stage: ``balance`` for the named
+    schedules' runs, and for the ``--csv`` runs the one of ``balance`` and ``balances``
+    with as many entries as the schedule has stages. The results of earlier runs in
+    ``workdir`` are removed."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     for schedule in SCHEDULES:
@@ -181,8 +199,10 @@ def write_pipelining_setup(workdir: str | Path, model_config: dict[str, Any],
             results.clear(_folder(workdir, schedule, split), RESULTS)
     results.clear(workdir / MESH, RESULTS)
     path = workdir / "setup.pt"
+    by_stages = {len(b): list(b) for b in (balance, *balances)}
     torch.save({"model_config": model_config, "state_dict": model.state_dict(),
-                "inputs": inputs, "targets": targets, "balance": list(balance)}, path)
+                "inputs": inputs, "targets": targets, "balance": list(balance),
+                "balances": by_stages}, path)
     return path
 
 
@@ -200,6 +220,7 @@ class RunResult:
     grads: dict[str, Tensor]
     timeline: Timeline
     step_seconds: float    # the last step's wall time: first rank's start to last rank's end
+    batch_isend_irecv: list[int]   # per rank, its calls to dist.batch_isend_irecv in that step
 
     @property
     def loss(self) -> float:
@@ -223,12 +244,46 @@ def read_run(workdir: str | Path, schedule: str, split: str) -> RunResult:
     folder = _folder(workdir, schedule, split)
     parts = results.load(folder, RESULTS, f"torchrun --nproc-per-node 2 -m {__name__} "
                                           f"{workdir} --runs {schedule}:{split}")
+    title = f"torch.distributed.pipelining {SCHEDULES[schedule].__name__} ({split} split)"
+    return _run_result(parts, title)
+
+
+def _run_result(parts: list[dict[str, Any]], title: str) -> RunResult:
     losses = [loss for part in parts for loss in part["losses"]]
     grads = {name: g for part in parts for name, g in part["grads"].items()}
     events = [e for part in parts for e in Timeline.from_dict(part["timeline"]).events]
-    title = f"torch.distributed.pipelining {SCHEDULES[schedule].__name__} ({split} split)"
     step = (max(part["step"][1] for part in parts) - min(part["step"][0] for part in parts))
-    return RunResult(losses, grads, Timeline(len(parts), events, "s", title), step)
+    return RunResult(losses, grads, Timeline(len(parts), events, "s", title), step,
+                     [part["batch_isend_irecv"] for part in parts])
+
+
+def _csv_folder(workdir: str | Path, csv: str | Path) -> Path:
+    return Path(workdir) / f"csv-{Path(csv).stem}"
+
+
+def read_csv_run(workdir: str | Path, csv: str | Path) -> RunResult:
+    """The last ``--csv`` run of the schedule in ``csv``, every rank's part in rank order."""
+    parts = results.load(_csv_folder(workdir, csv), RESULTS,
+                         f"torchrun -m {__name__} {workdir} --csv {csv}")
+    return _run_result(parts, f"PyTorch's _PipelineScheduleRuntime running {Path(csv).name}")
+
+
+@contextmanager
+def counting_batch_isend_irecv() -> Iterator[list[int]]:
+    """``dist.batch_isend_irecv`` counted while the block runs (the list gets one entry,
+    the batch's size, per call): the call that has hung on gloo when a batch mixes sends
+    and receives. PyTorch's ``_batch_p2p`` reaches it as ``dist.batch_isend_irecv``."""
+    original, calls = dist.batch_isend_irecv, []
+
+    def counted(ops: list[Any]) -> Any:
+        calls.append(len(ops))
+        return original(ops)
+
+    dist.batch_isend_irecv = counted
+    try:
+        yield calls
+    finally:
+        dist.batch_isend_irecv = original
 
 
 # -- the torchrun worker ------------------------------------------------------------------
@@ -260,17 +315,55 @@ def _run(setup: dict[str, Any], schedule: str, split: str, microbatches: int,
         events.clear()
         dist.barrier()             # the ranks start each step together: its wall time
         start = time.time()        # (wall clock, comparable between the processes)
-        if stage.is_first:
-            runner.step(inputs)
-        elif stage.is_last:
-            runner.step(target=targets, losses=losses)
-        else:
-            runner.step()
+        with counting_batch_isend_irecv() as calls:
+            if stage.is_first:
+                runner.step(inputs)
+            elif stage.is_last:
+                runner.step(target=targets, losses=losses)
+            else:
+                runner.step()
         step = (start, time.time())
     return {"losses": [loss.item() for loss in losses], "step": step,
             "grads": {name: p.grad.cpu() for name, p in stage.submod.named_parameters()
                       if p.grad is not None},
-            "timeline": Timeline(world, events).to_dict()}
+            "timeline": Timeline(world, events).to_dict(), "batch_isend_irecv": len(calls)}
+
+
+def _run_csv(setup: dict[str, Any], csv: Path, steps: int,
+             device: torch.device) -> dict[str, Any]:
+    """`_run` for a schedule CSV: this rank's stages of it on PyTorch's runtime, ``steps``
+    steps from the saved weights, the last one reported."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    schedule, _ = exported(csv)
+    if schedule.ranks != world:
+        raise ValueError(f"{csv.name} has programs for {schedule.ranks} ranks but torchrun "
+                         f"started {world} processes; use --nproc-per-node {schedule.ranks}")
+    balance = setup["balances"].get(schedule.stages)
+    if balance is None:
+        raise ValueError(f"{csv.name} has {schedule.stages} stages and setup.pt has balances "
+                         f"for {sorted(setup['balances'])}: pass one of {schedule.stages} "
+                         f"entries in write_pipelining_setup(..., balances=)")
+    model = load_model(setup)
+    stages = stages_for(model, balance, schedule, rank, device)
+    runtime = runtime_for(stages, csv, schedule.microbatches, lm_loss)
+    events: list[Event] = []
+    for stage in stages:
+        record_actions(stage, events)
+    inputs, targets = setup["inputs"].to(device), setup["targets"].to(device)
+    losses: list[Tensor] = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        events.clear()
+        losses.clear()
+        dist.barrier()
+        start = time.time()
+        with counting_batch_isend_irecv() as calls:
+            run_step(runtime, inputs, targets, losses)
+        step = (start, time.time())
+    return {"losses": [loss.item() for loss in losses], "step": step,
+            "grads": {name: p.grad.cpu() for name, p in model.named_parameters()
+                      if p.grad is not None},
+            "timeline": Timeline(world, events).to_dict(), "batch_isend_irecv": len(calls)}
 
 
 MESH = "mesh"   # mesh_step's results: WORKDIR/mesh/rank{rank}.pt
@@ -336,6 +429,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                              f"{sorted(SCHEDULES)}, split in {SPLITS}")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--csv", default=None, metavar="A.csv,B.csv",
+                        help="instead of --runs: schedule CSVs (Schedule.to_csv) to run on "
+                             "PyTorch's _PipelineScheduleRuntime, one after the other")
     parser.add_argument("--mesh", default=None, metavar="PPxDP",
                         help="instead of --runs: one 1F1B step of DP replicas of a PP-stage "
                              "pipeline (launch PP*DP processes)")
@@ -356,6 +452,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.error(f"--mesh {args.mesh!r}: write PPxDP, e.g. 2x2")
     setup = torch.load(args.workdir / "setup.pt")
     device = worker_device()
+    if args.csv is not None:
+        with process_group():
+            for csv in map(Path, args.csv.split(",")):
+                folder = _csv_folder(args.workdir, csv)
+                folder.mkdir(exist_ok=True)
+                results.start_run(folder, RESULTS)
+                results.save(folder, RESULTS, _run_csv(setup, csv, args.steps, device))
+        return
     if args.mesh is not None:
         with process_group():
             folder = args.workdir / MESH
