@@ -389,8 +389,8 @@ def dualpipe_v(ranks: int, microbatches: int) -> Schedule:
     (``F&B``); DeepSeek overlaps the two so that one's communication hides under the
     other's compute. Our executors run one action at a time, so a pair is an F, then a B;
     the pairs are kept in ``meta["overlapped"]``, which `to_pytorch` writes as PyTorch's
-    overlapped steps. The start fills the V with split backwards (I, then the W at once); the end splits the
-    backwards again and runs the Ws where the rank would otherwise wait.
+    overlapped steps. The start fills the V with split backwards (I, then the W at once);
+    the end splits the backwards again and runs the Ws where the rank would otherwise wait.
     """
     _check_sizes(ranks, microbatches)
     p, m = ranks, microbatches

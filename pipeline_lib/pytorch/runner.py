@@ -21,8 +21,9 @@ The job itself (``torchrun``, a process group) is the caller's: notebook 06's wo
 receives. This runtime never forms one: each ``SEND_F``/``SEND_B`` posts the sends of one
 stage and micro-batch, each ``RECV_*`` its receives, through PyTorch's ``_batch_p2p``,
 which issues an all-send or all-receive batch as plain ``isend``/``irecv`` (torch 2.13).
-Only the first step's shape exchange goes through ``batch_isend_irecv``, one operation at
-a time. The tests count the calls in a later step: none.
+tests/test_torch_pipelining.py counts the step's calls to ``dist.batch_isend_irecv``: none,
+where PyTorch's own ``Schedule1F1B``, which fuses a send with the next receive, makes them.
+(The first step's exchange of shapes sends one object at a time.)
 """
 from __future__ import annotations
 
