@@ -32,6 +32,7 @@ from collections import deque
 from pathlib import Path
 from typing import Iterable, Literal, NamedTuple, Sequence, Union
 
+from pipeline_lib.distributed.p2p import AHEAD
 from pipeline_lib.lowering import LoweredSchedule, Receive, lower
 from pipeline_lib.lowering import Message as LoweredMessage
 from pipeline_lib.schedules import Action, Schedule, ScheduleError, validate
@@ -271,20 +272,26 @@ def from_pytorch(ops: Sequence[Sequence[object]], name: str = "PyTorch",
                      name, microbatches, check=False)
 
 
-def comms_rows(lowered: LoweredSchedule | Schedule, overlap: bool = True) -> list[list[str]]:
+def comms_rows(lowered: LoweredSchedule | Schedule, overlap: bool = True,
+               ahead: int = AHEAD) -> list[list[str]]:
     """Each rank's program of our lowering (`lowering.lower`, given or done here) in
     PyTorch's ``compute_comms`` notation, as its runtime needs it:
 
     * the messages between ranks, ``SEND_*`` right after the action that produces one;
       those between two stages of one rank (a V's turn) left out, as PyTorch hands them
       over in memory too;
-    * each ``RECV_*`` before the action that consumes it, and **on every link in the
-      order the sender sends**: PyTorch posts all of a step's messages with the same tag,
-      and gloo and NCCL match a link's receives to its sends by order, so a receive posted
-      out of turn would get another message (the same shape, as often as not: silently
-      wrong gradients). Our lowering puts each receive right before its consumer; where a
-      link's order differs, the receives it must take first are posted earlier (PyTorch's
-      receives do not wait: its compute does);
+    * the ``RECV_*`` of every link **in the order the sender sends**: PyTorch posts all of
+      a step's messages with the same tag, and gloo and NCCL match a link's receives to
+      its sends by order, so a receive posted out of turn would get another message (the
+      same shape, as often as not: silently wrong gradients). Our lowering puts each
+      receive right before the action that consumes it, which can differ from the link's
+      order (interleaved schedules);
+    * and **early**: a receive only starts the transfer (gloo moves a message once both
+      sides have posted it), so, as our own transport does (`distributed.p2p.AHEAD`),
+      ``ahead`` receives of each link are posted from the start and topped up after each
+      action that consumed one, and more where an action needs them; PyTorch's own
+      lowering posts a receive when the sender sends, to the same effect. A rank then
+      always has the next message of every link posted before it sends anything;
     * ``REDUCE_GRAD`` after each stage's last backward: the runtime divides the stage's
       gradients by the number of micro-batches there, and nowhere else;
     * DualPipeV's recorded pairs (``overlap``) as one ``OVERLAP_F_B`` step, the receives of
@@ -296,10 +303,12 @@ def comms_rows(lowered: LoweredSchedule | Schedule, overlap: bool = True) -> lis
         lowered = lower(lowered)
     if lowered.routes:
         raise ValueError(f"{lowered.schedule.name}: skip connections "
-                         f"({', '.join(map(str, {r.key[1] for r in lowered.routes}))}) have no "
+                         f"({', '.join(sorted({r.key[1] for r in lowered.routes}))}) have no "
                          f"place in PyTorch's notation, where a forward's output goes to the "
                          f"next stage only, and its runtime refuses them; run them with our "
                          f"executors")
+    if ahead < 1:
+        raise ValueError(f"ahead={ahead}: keep at least one receive of each link posted")
     schedule = lowered.schedule
     last_backward = {}
     for program in schedule.actions:
@@ -311,16 +320,31 @@ def comms_rows(lowered: LoweredSchedule | Schedule, overlap: bool = True) -> lis
         steps = {step.action: step for step in lowered.programs[rank]}
         links = {peer: deque(lowered.channel(peer, rank)) for peer in range(lowered.ranks)
                  if peer != rank}
+        outstanding = dict.fromkeys(links, 0)       # posted, not yet consumed
         posted: set[LoweredMessage] = set()
         row: list[str] = []
+
+        def post(peer: int, until: LoweredMessage | None = None) -> None:
+            """Post the link's next receives: up to ``until``, or up to ``ahead``."""
+            while links[peer] and (until not in posted if until is not None
+                                   else outstanding[peer] < ahead):
+                message = links[peer].popleft()
+                posted.add(message)
+                outstanding[peer] += 1
+                row.append(str(Receive(peer, message, False)))
+
+        for peer in links:
+            post(peer)
         for token in tokens:
             mine = [steps[a] for a in compute_actions(token)]
-            for receive in (r for step in mine for r in step.receives if not r.local):
-                while receive.message not in posted:     # the link's earlier messages first
-                    message = links[receive.peer].popleft()
-                    posted.add(message)
-                    row.append(str(Receive(receive.peer, message, False)))
+            needed = [r for step in mine for r in step.receives if not r.local]
+            for receive in needed:
+                post(receive.peer, receive.message)
             row.append(str(token))
+            for receive in needed:
+                outstanding[receive.peer] -= 1
+            for peer in dict.fromkeys(r.peer for r in needed):
+                post(peer)
             for step in mine:
                 row += [str(send) for send in step.sends if not send.local]
                 if last_backward.get(step.action.stage) == step.action:
