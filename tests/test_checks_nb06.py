@@ -573,3 +573,261 @@ def test_6_3_more_wrong_answers_fail(answer, says):
     with pytest.raises(ExerciseFailed) as failed:
         nb06.check_groups(answer)
     assert says in str(failed.value)
+
+
+# -- 6.4: a compute-only program lowered to its messages ------------------------------------
+
+def _parse(cell):
+    import re
+    stage, kind, mb = re.fullmatch(r"(\d+)([FBIW])(\d+)", cell).groups()
+    return int(stage), kind, int(mb)
+
+
+def lower_by_hand(rows, placement):
+    """The notebook's solution."""
+    stages = len(placement)
+    programs = [[_parse(cell) for cell in row] for row in rows]
+
+    def sends_of(stage, kind, mb):
+        if kind == "F" and stage + 1 < stages and placement[stage + 1] != placement[stage]:
+            return [(f"{stage}SEND_F{mb}", placement[stage + 1], ("F", stage + 1, mb))]
+        if kind in "BI" and stage > 0 and placement[stage - 1] != placement[stage]:
+            return [(f"{stage}SEND_B{mb}", placement[stage - 1], ("B", stage - 1, mb))]
+        return []
+
+    def needs(stage, kind, mb):
+        if kind == "F" and stage > 0 and placement[stage - 1] != placement[stage]:
+            return placement[stage - 1], ("F", stage, mb)
+        if kind in "BI" and stage + 1 < stages and placement[stage + 1] != placement[stage]:
+            return placement[stage + 1], ("B", stage, mb)
+        return None
+
+    link = {}
+    for rank, program in enumerate(programs):
+        for action in program:
+            for _, peer, key in sends_of(*action):
+                link.setdefault((rank, peer), []).append(key)
+    last = {action[0]: action for program in programs for action in program
+            if action[1] in "BW"}
+    lowered = []
+    for rank, program in enumerate(programs):
+        posted, row = set(), []
+        for action in program:
+            need = needs(*action)
+            if need is not None:
+                peer, key = need
+                for earlier in link[peer, rank]:
+                    if earlier not in posted:
+                        posted.add(earlier)
+                        row.append(f"{earlier[1]}RECV_{earlier[0]}{earlier[2]}")
+                    if earlier == key:
+                        break
+            row.append("{}{}{}".format(*action))
+            row += [text for text, _, _ in sends_of(*action)]
+            if last.get(action[0]) == action:
+                row.append(f"{action[0]}REDUCE_GRAD")
+        lowered.append(row)
+    return lowered
+
+
+def lower_with_queues(rows, placement):
+    """Right, written otherwise: each link's receives in a deque, in the order its sender
+    sends, popped up to the one an action needs; strings all the way."""
+    from collections import deque
+    stages = len(placement)
+
+    def out(stage, kind, mb):      # (send, to rank, the receive it pairs with)
+        if kind == "F" and stage + 1 < stages and placement[stage + 1] != placement[stage]:
+            return f"{stage}SEND_F{mb}", placement[stage + 1], f"{stage + 1}RECV_F{mb}"
+        if kind in "BI" and stage > 0 and placement[stage - 1] != placement[stage]:
+            return f"{stage}SEND_B{mb}", placement[stage - 1], f"{stage - 1}RECV_B{mb}"
+        return None
+
+    def needed(stage, kind, mb):   # (from rank, the receive)
+        if kind == "F" and stage > 0 and placement[stage - 1] != placement[stage]:
+            return placement[stage - 1], f"{stage}RECV_F{mb}"
+        if kind in "BI" and stage + 1 < stages and placement[stage + 1] != placement[stage]:
+            return placement[stage + 1], f"{stage}RECV_B{mb}"
+        return None
+
+    queues = {}
+    for rank, row in enumerate(rows):
+        for cell in row:
+            if (sent := out(*_parse(cell))) is not None:
+                queues.setdefault((rank, sent[1]), deque()).append(sent[2])
+    ends = {_parse(cell)[0]: cell for row in rows for cell in row if _parse(cell)[1] in "BW"}
+    result = []
+    for rank, row in enumerate(rows):
+        program = []
+        for cell in row:
+            need = needed(*_parse(cell))
+            if need is not None and need[1] not in program:
+                queue = queues[need[0], rank]
+                while not program or program[-1] != need[1]:
+                    program.append(queue.popleft())
+            program.append(cell)
+            if (sent := out(*_parse(cell))) is not None:
+                program.append(sent[0])
+            if ends[_parse(cell)[0]] == cell:
+                program.append(f"{_parse(cell)[0]}REDUCE_GRAD")
+        result.append(program)
+    return result
+
+
+def _with(answer, change):
+    def changed(rows, placement):
+        return [change(row, placement) for row in answer(rows, placement)]
+    return changed
+
+
+def receives_right_before(rows, placement):
+    """Each receive right before its consumer, the link's order ignored (our lowering's
+    text as it is)."""
+    out = []
+    for row in lower_by_hand(rows, placement):
+        receives = [c for c in row if "RECV" in c]
+        kept = [c for c in row if "RECV" not in c]
+        placed = []
+        for cell in kept:
+            if "REDUCE" not in cell and "SEND" not in cell:
+                stage, kind, mb = _parse(cell)
+                mine = f"{stage}RECV_{'F' if kind == 'F' else 'B'}{mb}"
+                if mine in receives:
+                    placed.append(mine)
+            placed.append(cell)
+        out.append(placed)
+    return out
+
+
+def no_reduce_grad(rows, placement):
+    return [[c for c in row if "REDUCE_GRAD" not in c]
+            for row in lower_by_hand(rows, placement)]
+
+
+def reduce_after_last_b(rows, placement):
+    """REDUCE_GRAD after the stage's last B, or its last I, and its send: as if W did not
+    count."""
+    out = []
+    for row in no_reduce_grad(rows, placement):
+        last = {}
+        for k, cell in enumerate(row):
+            if "SEND" not in cell and "RECV" not in cell and _parse(cell)[1] in "BI":
+                last[_parse(cell)[0]] = k
+        for stage, k in sorted(last.items(), key=lambda item: -item[1]):
+            k += 1 + (k + 1 < len(row) and row[k + 1].startswith(f"{stage}SEND"))
+            row.insert(k, f"{stage}REDUCE_GRAD")
+        out.append(row)
+    return out
+
+
+def sends_within_a_rank(rows, placement):
+    """A message for every stage boundary, even between two stages of one rank (the V's
+    turn), which PyTorch hands over in memory."""
+    stages = len(placement)
+    out = []
+    for rank, row in enumerate(lower_by_hand(rows, placement)):
+        extra = []
+        for cell in row:
+            extra.append(cell)
+            if "SEND" in cell or "RECV" in cell or "REDUCE" in cell:
+                continue
+            stage, kind, mb = _parse(cell)
+            if kind == "F" and stage + 1 < stages and placement[stage + 1] == rank:
+                extra.append(f"{stage}SEND_F{mb}")
+        out.append(extra)
+    return out
+
+
+def send_b_named_by_receiver(rows, placement):
+    """``SEND_B`` written with the stage the gradient goes to, not the one sending it."""
+    def rename(row, placement):
+        return [f"{int(c.split('SEND_B')[0]) - 1}SEND_B{c.split('SEND_B')[1]}"
+                if "SEND_B" in c else c for c in row]
+    return _with(lower_by_hand, rename)(rows, placement)
+
+
+def receives_first(rows, placement):
+    """Every receive at the start, in each link's order: right for the runtime (receives
+    do not wait) but not the lowering asked for."""
+    out = []
+    for row in lower_by_hand(rows, placement):
+        out.append([c for c in row if "RECV" in c] + [c for c in row if "RECV" not in c])
+    return out
+
+
+def send_f_from_the_last_stage(rows, placement):
+    last = len(placement) - 1
+    def add(row, placement):
+        return [x for c in row for x in ([c, f"{last}SEND_F{c[len(str(last)) + 1:]}"]
+                                         if c.startswith(f"{last}F") else [c])]
+    return _with(lower_by_hand, add)(rows, placement)
+
+
+def library_lowering(rows, placement):
+    """The shortcut: our own export, `Schedule.to_csv`'s rows."""
+    from pipeline_lib.pytorch import notation
+    return notation.comms_rows(notation.from_rows(rows))
+
+
+def pytorch_lowering(rows, placement):
+    """The other shortcut: PyTorch's `_add_send_recv` (plus its REDUCE_GRAD pass), which
+    posts each receive when its sender sends."""
+    from torch.distributed.pipelining.schedules import _Action, _add_reduce_grad, _add_send_recv
+    m = 1 + max(_parse(c)[2] for row in rows for c in row)
+    actions = {r: _add_reduce_grad([_Action.from_str(c) for c in row], m)
+               for r, row in enumerate(rows)}
+    lowered = _add_send_recv(actions, lambda s: placement[s], len(placement))
+    return [[str(a) for a in lowered[r]] for r in range(len(rows))]
+
+
+def test_6_4_solution_passes():
+    nb06.check_lowering(lower_by_hand)
+    nb06.check_lowering(lower_with_queues)
+
+
+def test_6_4_the_answer_is_a_program_pytorchs_runtime_runs_for_every_schedule():
+    """`late_receives` is a compute_comms program our checks pass, for every builder and
+    sizes the random cases draw from, and the solution computes it."""
+    from pipeline_lib.pytorch import notation, runner
+    from pipeline_lib.schedules import BUILDERS, build
+    for name in BUILDERS:
+        for p, m in [(2, 1), (2, 5), (3, 4), (4, 7)]:
+            schedule = build(name, p, m)
+            rows = nb06.late_receives(schedule)
+            tokens = [[notation.parse(c) for c in row] for row in rows]
+            notation.check_messages(tokens, schedule)
+            runner.check_reduce_grad(tokens)
+            placement = [schedule.rank_of(s) for s in range(schedule.stages)]
+            assert lower_by_hand(schedule.to_pytorch(overlap=False), placement) == rows
+
+
+@pytest.mark.parametrize("answer, says", [
+    (receives_right_before, "a link matches receives to sends by order"),
+    (no_reduce_grad, "has no 0REDUCE_GRAD after its last backward"),
+    (reduce_after_last_b, "REDUCE_GRAD after its last backward"),
+    (sends_within_a_rank, "is not a message rank 1 sends"),
+    (send_b_named_by_receiver, "is not a message rank 1 sends"),
+    (receives_first, "A right program, but not the one asked"),
+    (send_f_from_the_last_stage, "is not a message rank 1 sends"),
+    (library_lowering, "your code calls"),
+    (pytorch_lowering, "A right program, but not the one asked"),
+])
+def test_6_4_wrong_answers_and_shortcuts_fail(answer, says):
+    with pytest.raises(ExerciseFailed) as failed:
+        nb06.check_lowering(answer)
+    assert says in str(failed.value)
+    for row in nb06.late_receives(nb06.build("interleaved_1f1b", 2, 5)):   # never the answer
+        assert " ".join(row) not in str(failed.value)
+
+
+def test_6_4_stub_and_junk_fail():
+    def stub(rows, placement):
+        raise NotImplementedError
+    with pytest.raises(NotImplementedError):
+        nb06.check_lowering(stub)
+    with pytest.raises(ExerciseFailed, match="one list of strings per rank"):
+        nb06.check_lowering(lambda rows, placement: None)
+    with pytest.raises(ExerciseFailed, match="keep its compute actions"):
+        nb06.check_lowering(lambda rows, placement: [row[::-1] for row in rows])
+    with pytest.raises(ExerciseFailed, match="is not an action"):
+        nb06.check_lowering(lambda rows, placement: [[c.lower() for c in row] for row in rows])

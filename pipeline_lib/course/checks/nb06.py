@@ -20,6 +20,13 @@
   collective, so the check runs the learner's ``make_groups`` once per rank in this process
   with a recording ``new_group`` and checks that every rank creates the same groups in the
   same order (else the job hangs) and gets back the right two.
+* **6.4** (a compute-only program lowered to PyTorch's sends and receives): the check does
+  not depend on refusing the library, though it withholds our lowering and PyTorch's
+  notation: the answer asked for places each receive as late as its link allows, which
+  neither `Schedule.to_csv` (receives posted ahead) nor PyTorch's own lowering (a receive
+  when its sender sends) does. Fixed cases catch a link's order, a turn inside a rank and
+  split backwards; two more are drawn at random each run. Its messages name a case and the
+  first cell that differs, never a whole row.
 
 Every check raises `ExerciseFailed` with what to change; the notebook's check cell runs it
 inside ``exercise("Exercise 6.N (...)")``, which prefixes the exercise's name.
@@ -27,6 +34,7 @@ inside ``exercise("Exercise 6.N (...)")``, which prefixes the exercise's name.
 from __future__ import annotations
 
 import importlib
+import random
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -43,12 +51,13 @@ from torch import Tensor, nn
 
 from pipeline_lib.course.exercises import ExerciseFailed, withheld
 from pipeline_lib.course.pytorch_schedules import pytorch_schedule
-from pipeline_lib.pytorch import private
-from pipeline_lib.schedules import Schedule, ScheduleError, validate
+from pipeline_lib.lowering import Receive, lower
+from pipeline_lib.pytorch import notation, private, runner
+from pipeline_lib.schedules import Schedule, ScheduleError, build, validate
 
 __all__ = ["tiny_model", "stage_of", "run_in_threads", "verify_send_recv", "check_send_recv",
            "read_worker_results", "check_from_lowered", "LOWERED_CASES", "check_groups",
-           "MESHES"]
+           "MESHES", "check_lowering", "late_receives", "LOWERING_CASES"]
 
 ROWS, WIDTH, HIDDEN = 4, 8, 16
 
@@ -519,6 +528,119 @@ def check_groups(make_groups: Callable[..., Any]) -> None:
             _check(data.ranks == want_data,
                    f"pp={pp}, dp={dp}: rank {rank} got the data-parallel group "
                    f"{list(data.ranks)}; the ranks that hold its stage are {list(want_data)}")
+
+
+# -- 6.4: a compute-only program lowered to its messages, by hand -----------------------------
+
+#: (builder, ranks, micro-batches) every run tries: rounds of uneven size, where a link's
+#: order differs from the order its messages are consumed (interleaved 1F1B, 5 micro-batches
+#: on 2 ranks); a V with a turn inside a rank and split backwards (ZB-V); DualPipeV, whose
+#: stages end on a B or on a W; more random ones are drawn each run.
+LOWERING_CASES: tuple[tuple[str, int, int], ...] = (
+    ("1f1b", 2, 3), ("interleaved_1f1b", 2, 5), ("zb_v", 2, 3), ("dualpipe_v", 2, 4),
+    ("zb_h1", 3, 4))
+_LOWERING_BUILDERS = ("gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "interleaved_zero_bubble",
+                      "zb_v", "dualpipe_v")
+
+
+def late_receives(schedule: Schedule) -> list[list[str]]:
+    """Exercise 6.4's answer: ``schedule`` lowered for PyTorch's runtime with each receive as
+    late as its link allows (right before the action that consumes it, after the receives
+    of the link's earlier messages), each send right after the action that produces it, and
+    each stage's REDUCE_GRAD after its last backward and that backward's sends."""
+    lowered = lower(schedule)
+    last = {a.stage: a for program in schedule.actions for a in program if a.kind in ("B", "W")}
+    rows = []
+    for rank, program in enumerate(lowered.programs):
+        links = {peer: lowered.channel(peer, rank) for peer in range(lowered.ranks)}
+        posted: set[Any] = set()
+        row: list[str] = []
+        for step in program:
+            for receive in (r for r in step.receives if not r.local):
+                for message in links[receive.peer]:
+                    if message not in posted:
+                        posted.add(message)
+                        row.append(str(Receive(receive.peer, message, False)))
+                    if message == receive.message:
+                        break
+            row.append(str(step.action))
+            row += [str(send) for send in step.sends if not send.local]
+            if last[step.action.stage] == step.action:
+                row.append(f"{step.action.stage}REDUCE_GRAD")
+        rows.append(row)
+    return rows
+
+
+def _lowering_cases(draws: int = 2) -> list[Schedule]:
+    """`LOWERING_CASES`, then ``draws`` random ones, new each run (the failure names its
+    sizes)."""
+    chosen = random.Random()
+    cases = list(LOWERING_CASES) + [(chosen.choice(_LOWERING_BUILDERS), chosen.randint(2, 4),
+                                     chosen.randint(2, 7)) for _ in range(draws)]
+    return [build(name, p, m) for name, p, m in cases]
+
+
+def check_lowering(lower_by_hand: Callable[..., Any],
+                   namespace: dict[str, Any] | None = None) -> None:
+    """Exercise 6.4: ``lower_by_hand(rows, placement)`` turns each case's compute-only rows
+    (`Schedule.to_pytorch`, without overlapped pairs) and its stages' ranks into the rows of
+    `late_receives`. Each case's answer is computed first; the learner's function then runs
+    with our lowering and PyTorch's notation module withheld (``namespace``: the notebook's
+    globals). What is wrong is said with our checks of a compute_comms program first
+    (`notation.check_messages`: a message missing, misplaced, or out of its link's order;
+    `runner.check_reduce_grad`), then as the first cell that differs."""
+    if not callable(lower_by_hand):
+        _fail(f"lower_by_hand must be a function, got {type(lower_by_hand).__name__}")
+    for schedule in _lowering_cases():
+        rows = schedule.to_pytorch(overlap=False)
+        placement = [schedule.rank_of(s) for s in range(schedule.stages)]
+        expected = late_receives(schedule)
+        case = (f"{schedule.name}, {schedule.ranks} ranks, {schedule.microbatches} "
+                f"micro-batches, placement {placement}")
+        with withheld("pipeline_lib.lowering", "pipeline_lib.pytorch.notation",
+                      "pipeline_lib.course.pytorch_schedules", namespace=namespace):
+            yours = lower_by_hand([list(row) for row in rows], list(placement))
+        _check(isinstance(yours, (list, tuple)) and len(yours) == schedule.ranks
+               and all(isinstance(row, (list, tuple)) for row in yours),
+               f"{case}: return one list of strings per rank ({schedule.ranks} lists), got "
+               f"{type(yours).__name__}" + (f" of {len(yours)}" if isinstance(yours, list)
+                                            else ""))
+        tokens = []
+        for rank, row in enumerate(yours):
+            parsed = []
+            for k, cell in enumerate(row):
+                _check(isinstance(cell, str), f"{case}: rank {rank}, position {k}: {cell!r} "
+                       f"is a {type(cell).__name__}; write each action as a string, e.g. "
+                       f"'1RECV_F0'")
+                try:
+                    token = notation.parse(cell)
+                except ValueError as error:
+                    _fail(f"{case}: rank {rank}, position {k}: {error}")
+                _check(token is not None, f"{case}: rank {rank}, position {k}: an empty "
+                       f"string; leave idle steps out")
+                parsed.append(token)
+            computed = [a for t in parsed for a in notation.compute_actions(t)]
+            _check(computed == schedule.actions[rank],
+                   f"{case}: rank {rank} computes {' '.join(map(str, computed))}; keep its "
+                   f"compute actions as given, in order, and only add sends, receives and "
+                   f"REDUCE_GRAD")
+            tokens.append(parsed)
+        try:
+            notation.check_messages(tokens, schedule)
+            runner.check_reduce_grad(tokens)
+        except (ScheduleError, ValueError) as error:
+            _fail(f"{case}: {error}")
+        for rank, (got, want) in enumerate(zip(yours, expected)):
+            if list(got) != want:
+                k = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b),
+                         min(len(got), len(want)))
+                _fail(f"{case}: rank {rank}, position {k}: yours "
+                      f"{got[k] if k < len(got) else 'ends'}, expected "
+                      f"{want[k] if k < len(want) else 'the end'}. A right program, but not "
+                      f"the one asked: each receive as late as its link allows (right before "
+                      f"its action, after the link's earlier messages), each send right "
+                      f"after its action, REDUCE_GRAD right after the stage's last backward "
+                      f"and its send")
 
 
 if __name__ == "__main__":       # torchrun -m pipeline_lib.course.checks.nb06 MODULE OUT
