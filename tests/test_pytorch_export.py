@@ -380,3 +380,24 @@ def test_nothing_else_imports_the_private_api():
     assert {path: names for path, names in found.items() if names} == {}
     assert _private_imports("from torch.distributed.pipelining.schedules import _Action\n"
                             "x = torch.distributed.pipelining.schedules._Action")
+
+
+def test_torchtitan_config_places_the_stages_as_the_csv_does(tmp_path):
+    """torchtitan runs the CSV on _PipelineScheduleRuntime but cuts and places the stages by
+    a schedule's name: one that places them as ours does."""
+    lines = {name: notation.torchtitan_config(build(name, 4, 8), tmp_path / "s.csv", 2)
+             for name in ("zb_h1", "interleaved_zero_bubble", "dualpipe_v")}
+    assert 'pipeline_parallel_schedule = "1F1B"' in lines["zb_h1"]
+    assert 'pipeline_parallel_schedule = "Interleaved1F1B"' in lines["interleaved_zero_bubble"]
+    assert 'pipeline_parallel_schedule = "ZBVZeroBubble"' in lines["dualpipe_v"]
+    for text in lines.values():
+        assert f'pipeline_parallel_schedule_csv = "{tmp_path / "s.csv"}"' in text
+        assert "pipeline_parallel_degree = 4" in text and "local_batch_size = 16" in text
+        assert "pipeline_parallel_microbatch_size = 2" in text
+    assert "makes 12 stages" in notation.torchtitan_config(build("looped_bfs", 4, 8, 3), "x")
+    odd = Schedule("odd", 2, 1, [[Action(0, "F", 0), Action(1, "F", 0), Action(1, "B", 0),
+                                  Action(0, "B", 0)], [Action(2, "F", 0), Action(3, "F", 0),
+                                                       Action(3, "B", 0), Action(2, "B", 0)]],
+                   virtual_stages=2, placement=(0, 0, 1, 1))
+    with pytest.raises(ValueError, match=r"looped or in a V, not as \[0, 0, 1, 1\]"):
+        notation.torchtitan_config(odd, "x")

@@ -35,7 +35,7 @@ from typing import Iterable, Literal, NamedTuple, Sequence, Union
 from pipeline_lib.distributed.p2p import AHEAD
 from pipeline_lib.lowering import LoweredSchedule, Receive, lower
 from pipeline_lib.lowering import Message as LoweredMessage
-from pipeline_lib.schedules import Action, Schedule, ScheduleError, validate
+from pipeline_lib.schedules import Action, Schedule, ScheduleError, v_shape, validate
 
 Format = Literal["compute_only", "compute_comms"]
 FORMATS: tuple[str, ...] = ("compute_only", "compute_comms")
@@ -442,3 +442,38 @@ def to_csv(schedule: Schedule, path: str | Path, format: Format = "compute_only"
     if format == "compute_comms":
         return write_csv(comms_rows(schedule, overlap), path)
     raise ValueError(f"format={format!r}: PyTorch's CSV formats are {FORMATS}")
+
+
+def torchtitan_config(schedule: Schedule, csv: str | Path, microbatch_size: int = 1) -> str:
+    """The lines of a torchtitan TOML config that run ``schedule`` from its ``compute_only``
+    CSV at ``csv`` (`Schedule.to_csv`).
+
+    torchtitan (``torchtitan/distributed/pipeline_parallel.py``) takes the file from
+    ``pipeline_parallel_schedule_csv``, runs it on ``_PipelineScheduleRuntime`` and loads
+    it with ``_load_csv``'s default format, ``compute_only``; but it cuts and places the
+    stages by ``pipeline_parallel_schedule``, a PyTorch schedule's name: one stage per rank
+    for a single-stage one ("1F1B"), two per rank by default for a multi-stage one, looped
+    ("Interleaved1F1B") or in a V ("ZBVZeroBubble"). So the name is chosen here for the
+    placement only; a looped schedule with other than 2 stages per rank also needs
+    ``pipeline_parallel_layers_per_stage`` (stated in a comment), and a placement that is
+    neither looped nor a V cannot be expressed. The micro-batches are
+    ``local_batch_size // pipeline_parallel_microbatch_size``."""
+    v, p = schedule.virtual_stages, schedule.ranks
+    if schedule.placement is None:
+        name = "1F1B" if v == 1 else "Interleaved1F1B"
+        where = "one stage per rank" if v == 1 else f"{v} stages per rank, looped"
+    elif schedule.placement == v_shape(p):
+        name, where = "ZBVZeroBubble", "2 stages per rank, in a V"
+    else:
+        raise ValueError(f"{schedule.name}: torchtitan places stages looped or in a V, not as "
+                         f"{list(schedule.placement)}")
+    extra = "" if v <= 2 else (f"# and pipeline_parallel_layers_per_stage such that the model "
+                               f"makes {p * v} stages\n")
+    return (f"[parallelism]\n"
+            f"pipeline_parallel_degree = {p}\n"
+            f'pipeline_parallel_schedule = "{name}"   # only for the placement: {where}\n'
+            f'pipeline_parallel_schedule_csv = "{csv}"\n'
+            f"pipeline_parallel_microbatch_size = {microbatch_size}\n{extra}"
+            f"\n[training]\n"
+            f"local_batch_size = {schedule.microbatches * microbatch_size}   # "
+            f"{schedule.microbatches} micro-batches of {microbatch_size}\n")
