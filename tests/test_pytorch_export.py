@@ -401,3 +401,50 @@ def test_torchtitan_config_places_the_stages_as_the_csv_does(tmp_path):
                    virtual_stages=2, placement=(0, 0, 1, 1))
     with pytest.raises(ValueError, match=r"looped or in a V, not as \[0, 0, 1, 1\]"):
         notation.torchtitan_config(odd, "x")
+
+
+@pytest.mark.parametrize("name,p,m,v", [("Interleaved1F1B", 2, 4, 2), ("LoopedBFS", 2, 3, 2),
+                                        ("InterleavedZeroBubble", 4, 8, 2),
+                                        ("ZBVZeroBubble", 2, 4, 2), ("DualPipeV", 2, 5, 2)])
+def test_runtime_lowering_is_what_pytorchs_runtime_lowers(name, p, m, v):
+    """Our replay of the runtime's lowering passes gives PyTorch's own schedules exactly
+    the lowered program its visualiser gets from the runtime itself."""
+    compute = [[str(op) for op in row if op is not None]
+               for row in private.schedule_ops(name, p, m, v)]
+    theirs = [[str(op) for op in row if op is not None]
+              for row in private.schedule_ops(name, p, m, v, with_comms=True)]
+    assert private.runtime_lowering(compute, p * v, m) == theirs
+    schedule = notation.from_rows(compute, microbatches=m)
+    notation.check_messages([[notation.parse(c) for c in row] for row in theirs], schedule)
+
+
+def test_gantt_with_messages_marks_each_message_where_its_rank_reaches_it():
+    import matplotlib
+    matplotlib.use("Agg")
+    from pipeline_lib.timeline import simulate
+    from pipeline_lib.viz.plot import gantt_with_messages
+    schedule = gpipe(2, 2)
+    timeline = simulate(schedule, forward=1, backward=2, comm=0.5)
+    rows = notation.comms_rows(schedule)
+    ax = gantt_with_messages(timeline, rows)
+    marks = {line.get_label(): list(zip(line.get_xdata(), line.get_ydata()))
+             for line in ax.lines}
+    # rank 0 posts both gradient receives first (two ahead), and sends after each forward;
+    # rank 1 posts both activation receives first, and sends after each backward
+    assert sorted(marks["receive posted"]) == [(0, -0.4), (0, -0.4), (0, 0.6), (0, 0.6)]
+    assert sorted(marks["send"]) == [(1, 0.4), (2, 0.4), (5.5, 1.4), (7.5, 1.4)]
+    assert sorted(t.get_text() for t in ax.texts if t.get_text().strip() == "2") == [" 2", " 2"]
+
+
+def test_run_step_refuses_a_batch_that_does_not_split_evenly():
+    """PyTorch's runtime sizes its receive buffers from the first micro-batch: a smaller
+    one would arrive in a buffer of the wrong size, so the step is refused first."""
+    from types import SimpleNamespace
+    stage = SimpleNamespace(is_first=True, is_last=True)
+    runtime = SimpleNamespace(_stages=[stage], _n_microbatches=3,
+                              step=lambda *a, **k: pytest.fail("ran"))
+    batch = torch.zeros(8, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match="8 rows does not split into 3 equal micro-batches"):
+        runner.run_step(runtime, batch, batch)
+    with pytest.raises(ValueError, match="holds the last stage: pass the batch's targets"):
+        runner.run_step(runtime, torch.zeros(9, 5, dtype=torch.long), None)

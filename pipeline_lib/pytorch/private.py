@@ -4,7 +4,7 @@ Running a schedule of our own in PyTorch needs names that ``torch.distributed.pi
 keeps private (a leading underscore: no promise they stay): the runtime that executes a
 per-rank list of actions, `_PipelineScheduleRuntime`, with its ``_load_csv`` and
 ``_dump_csv``; the action type `_Action` and its enum `_ComputationType`; the lowering
-pass `_add_send_recv`; `_validate_schedule` and `_format_pipeline_order`; the schedule
+passes `_add_send_recv`, `_add_unshard_reshard` and `_add_reduce_grad`; `_validate_schedule` and `_format_pipeline_order`; the schedule
 visualiser's ``get_schedule_ops``, which builds PyTorch's own schedules without processes;
 and the stages' base class `_PipelineStageBase` (what the tracer's stages are), whose
 per-micro-batch methods notebook 06's worker times.
@@ -23,7 +23,7 @@ import importlib
 import inspect
 import logging
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -45,6 +45,8 @@ NAMES: dict[str, tuple[str, str, tuple[str, ...]]] = {
                          "SEND_F", "RECV_F", "SEND_B", "RECV_B", "OVERLAP_F_B",
                          "REDUCE_GRAD")),
     "add_send_recv": (_SCHEDULES, "_add_send_recv", ()),
+    "add_unshard_reshard": (_SCHEDULES, "_add_unshard_reshard", ()),
+    "add_reduce_grad": (_SCHEDULES, "_add_reduce_grad", ()),
     "validate_schedule": (_SCHEDULES, "_validate_schedule", ()),
     "format_pipeline_order": (_SCHEDULES, "_format_pipeline_order", ()),
     "get_schedule_ops": (_VISUALIZER, "get_schedule_ops", ()),
@@ -146,3 +148,22 @@ def schedule_ops(name: str, ranks: int, microbatches: int, virtual_stages: int |
             return ops(name, ranks, microbatches, virtual_stages, with_comms=with_comms)
         finally:
             logger.setLevel(level)
+
+
+def runtime_lowering(rows: Sequence[Sequence[str]], stages: int, microbatches: int
+                     ) -> list[list[str]]:
+    """What PyTorch's runtime runs after loading the ``compute_only`` program ``rows`` (one
+    list of action strings per rank, `Schedule.to_pytorch`): its own lowering, done as
+    ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` does it (validate and place
+    the stages; ``UNSHARD``/``RESHARD`` and ``REDUCE_GRAD`` per rank; then the sends and
+    receives, each receive placed when its sender sends), without processes. The tests
+    check it against PyTorch's own schedules lowered by its visualiser."""
+    actions = {rank: [__getattr__("Action").from_str(cell) for cell in row]
+               for rank, row in enumerate(rows)}
+    where = __getattr__("validate_schedule")(actions, len(actions), stages, microbatches)
+    for rank in actions:
+        actions[rank] = __getattr__("add_reduce_grad")(
+            __getattr__("add_unshard_reshard")(actions[rank]), microbatches)
+    ranks = len(actions)              # the pass below empties ``actions``
+    lowered = __getattr__("add_send_recv")(actions, where.__getitem__, stages)
+    return [[str(a) for a in lowered[rank]] for rank in range(ranks)]
