@@ -5,6 +5,7 @@ simulator's prediction look alike, so they can be compared by eye as well as by 
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -160,18 +161,55 @@ def gantt(timeline: Timeline, ax: Axes | None = None, title: str | None = None,
 
 
 def mark(ax: Axes, timeline: Timeline, times: Sequence[float], rows: Sequence[int],
-         label: str, marker: str = "v", colour: str = "black") -> None:
+         label: str, marker: str = "v", colour: str = "black", edge: str = "top") -> None:
     """Mark moments on a `gantt` of ``timeline`` (an all-reduce, say): ``times`` in the
     timeline's own clock, one row each. A marker sits on the top edge of its row's boxes,
-    pointing down, so it never covers the numbers written in them; the legend gains it."""
+    pointing down (or on the bottom ``edge``: pass ``marker="^"``), so it never covers the
+    numbers written in them; the legend gains it."""
     scale, _ = _time_scale(timeline)
     t0 = min(e.start for e in timeline.events)
-    (line,) = ax.plot([(t - t0) * scale for t in times], [r - 0.4 for r in rows], marker,
+    offset = {"top": -0.4, "bottom": 0.4}[edge]
+    (line,) = ax.plot([(t - t0) * scale for t in times], [r + offset for r in rows], marker,
                       color=colour, markersize=7, linestyle="", clip_on=False, zorder=3,
                       label=label)
     legend = ax.get_legend()
     if legend is not None:
         _legend(ax, [*legend.legend_handles, line])
+
+
+def gantt_with_messages(timeline: Timeline, rows: Sequence[Sequence[str]],
+                        ax: Axes | None = None, title: str | None = None) -> Axes:
+    """`gantt` of a schedule's ``timeline``, with the messages of a lowered program of that
+    schedule (``rows``: one list of PyTorch's action strings per rank, as
+    `Schedule.to_csv`'s ``compute_comms`` file or `pytorch.private.runtime_lowering`
+    gives): a downward triangle on a row's top edge where the rank posts a receive, an
+    upward one on its bottom edge where it sends, each at the moment the rank reaches it
+    in its program (the end of the compute action before it). Messages at the same moment
+    share a triangle, with their number beside it."""
+    from pipeline_lib.pytorch.notation import Message, compute_actions, parse
+    ax = gantt(timeline, ax=ax, title=title)
+    end = {e.action: e.end for e in timeline.events}
+    moments: dict[str, tuple[list[float], list[int]]] = {"RECV": ([], []), "SEND": ([], [])}
+    for rank, row in enumerate(rows):
+        clock = min(e.start for e in timeline.events)
+        for cell in row:
+            token = parse(cell)
+            if compute_actions(token):
+                clock = max(end[a] for a in compute_actions(token))
+            elif isinstance(token, Message):
+                times, ranks = moments[token.kind[:4]]
+                times.append(clock)
+                ranks.append(rank)
+    mark(ax, timeline, *moments["RECV"], "receive posted")
+    mark(ax, timeline, *moments["SEND"], "send", marker="^", edge="bottom")
+    scale, _ = _time_scale(timeline)
+    t0 = min(e.start for e in timeline.events)
+    for kind, offset in (("RECV", -0.4), ("SEND", 0.4)):
+        for (time, rank), count in Counter(zip(*moments[kind])).items():
+            if count > 1:
+                ax.text((time - t0) * scale, rank + offset, f" {count}", ha="left",
+                        va="center", fontsize=LABEL_POINTS, zorder=4, clip_on=False)
+    return ax
 
 
 def bubble_vs_microbatches(ranks: Sequence[int], microbatches: Sequence[int],
