@@ -18,11 +18,13 @@ simulated and drawn like ours (`Schedule.from_csv`).
 
 * `to_pytorch` / `Schedule.to_pytorch`: our `Schedule` as PyTorch's per-rank lists;
   DualPipeV's pairs (``meta["overlapped"]``) written as PyTorch writes them.
-* `write_csv` / `Schedule.to_csv`: those lists as a ``compute_only`` CSV, or, with the
-  messages of our lowering, a ``compute_comms`` one.
-* `parse`, `read_csv` and `from_rows` / `Schedule.from_csv`: PyTorch's notation back to a
-  validated `Schedule`, whatever produced it (PyTorch's ``_dump_csv``, torchtitan's
-  assets, a spreadsheet, `pytorch_schedule` reading PyTorch's builders).
+* `comms_rows`: our lowering (`pipeline_lib.lowering`) as a ``compute_comms`` program, the
+  receives where PyTorch's runtime needs them; `check_messages` checks any such program.
+* `write_csv`, `to_csv` / `Schedule.to_csv`: either as a CSV file.
+* `parse`, `read_csv`, `from_rows`, `from_csv` / `Schedule.from_csv`, `from_pytorch`:
+  PyTorch's notation back to a validated `Schedule`, whatever produced it (PyTorch's
+  ``_dump_csv``, torchtitan's assets, a spreadsheet, PyTorch's builders).
+* `torchtitan_config`: the config lines that make torchtitan run an exported file.
 """
 from __future__ import annotations
 
@@ -39,7 +41,6 @@ from pipeline_lib.schedules import Action, Schedule, ScheduleError, v_shape, val
 
 Format = Literal["compute_only", "compute_comms"]
 FORMATS: tuple[str, ...] = ("compute_only", "compute_comms")
-COMPUTE_KINDS = ("F", "B", "I", "W")
 MESSAGE_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 BOOKKEEPING_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
 OVERLAP = "OVERLAP_F_B"
@@ -280,14 +281,15 @@ def comms_rows(lowered: LoweredSchedule | Schedule, overlap: bool = True,
     * the messages between ranks, ``SEND_*`` right after the action that produces one;
       those between two stages of one rank (a V's turn) left out, as PyTorch hands them
       over in memory too;
-    * the ``RECV_*`` of every link **in the order the sender sends**: PyTorch posts all of
-      a step's messages with the same tag, and gloo and NCCL match a link's receives to
+    * the ``RECV_*`` of every link **in the order the sender sends**: PyTorch's runtime
+      sends every message with the same tag, and gloo and NCCL match a link's receives to
       its sends by order, so a receive posted out of turn would get another message (the
       same shape, as often as not: silently wrong gradients). Our lowering puts each
       receive right before the action that consumes it, which can differ from the link's
       order (interleaved schedules);
-    * and **early**: a receive only starts the transfer (gloo moves a message once both
-      sides have posted it), so, as our own transport does (`distributed.p2p.AHEAD`),
+    * and **early**: a message's transfer completes only once its receive is posted, and
+      the runtime waits only where an action needs it, so, as our own transport does
+      (`distributed.p2p.AHEAD`),
       ``ahead`` receives of each link are posted from the start and topped up after each
       action that consumed one, and more where an action needs them; PyTorch's own
       lowering posts a receive when the sender sends, to the same effect. A rank then
