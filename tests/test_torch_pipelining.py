@@ -186,3 +186,13 @@ def test_the_runs_cover_every_builder_and_what_pytorchs_builders_refuse():
         assert {name for name, _, _ in runs} == set(BUILDERS)
     covered = {(name, 2, m) for name, m, _ in ON_2} | {(name, 4, m) for name, m, _ in ON_4}
     assert {(ours, p, m) for _, p, m, _, ours, _ in REFUSED} <= covered
+
+
+def test_worker_refuses_a_bad_csv_before_starting(tmp_path, capsys):
+    (tmp_path / "setup.pt").write_bytes(b"")       # never read: the arguments fail first
+    (tmp_path / "bad.csv").write_text("0F0,0B0\n1F0,1Q0\n")
+    for csv, says in [(tmp_path / "missing.csv", "no schedule CSV"),
+                      (tmp_path / "bad.csv", "'1Q0' is not an action")]:
+        with pytest.raises(SystemExit):
+            main([str(tmp_path), "--csv", str(csv)])
+        assert says in capsys.readouterr().err

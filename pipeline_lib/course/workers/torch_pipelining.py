@@ -43,7 +43,7 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -310,23 +310,38 @@ def _run(setup: dict[str, Any], schedule: str, split: str, microbatches: int,
     events: list[Event] = []
     record_actions(stage, events)
     losses: list[Tensor] = []      # the last stage's schedule fills it in every step
+
+    def step() -> None:
+        if stage.is_first:
+            runner.step(inputs)
+        elif stage.is_last:
+            runner.step(target=targets, losses=losses)
+        else:
+            runner.step()
+
+    return _last_step(step, stage.submod, events, losses, steps)
+
+
+def _last_step(step: Callable[[], None], module: nn.Module, events: list[Event],
+               losses: list[Tensor], steps: int) -> dict[str, Any]:
+    """``steps`` steps of ``step`` from the same weights (no optimizer: every step computes
+    the same gradients), the ranks starting each together; the last one's micro-batch
+    losses, wall-clock start and end (comparable between the processes), the gradients
+    of ``module``'s parameters, the recorded ``events`` and the number of
+    ``batch_isend_irecv`` calls."""
     for _ in range(steps):
-        stage.submod.zero_grad(set_to_none=True)
+        module.zero_grad(set_to_none=True)
         events.clear()
-        dist.barrier()             # the ranks start each step together: its wall time
-        start = time.time()        # (wall clock, comparable between the processes)
+        dist.barrier()
+        start = time.time()
         with counting_batch_isend_irecv() as calls:
-            if stage.is_first:
-                runner.step(inputs)
-            elif stage.is_last:
-                runner.step(target=targets, losses=losses)
-            else:
-                runner.step()
-        step = (start, time.time())
-    return {"losses": [loss.item() for loss in losses], "step": step,
-            "grads": {name: p.grad.cpu() for name, p in stage.submod.named_parameters()
+            step()
+        wall = (start, time.time())
+    return {"losses": [loss.item() for loss in losses], "step": wall,
+            "grads": {name: p.grad.cpu() for name, p in module.named_parameters()
                       if p.grad is not None},
-            "timeline": Timeline(world, events).to_dict(), "batch_isend_irecv": len(calls)}
+            "timeline": Timeline(dist.get_world_size(), events).to_dict(),
+            "batch_isend_irecv": len(calls)}
 
 
 def _run_csv(setup: dict[str, Any], csv: Path, steps: int,
@@ -351,19 +366,8 @@ def _run_csv(setup: dict[str, Any], csv: Path, steps: int,
         record_actions(stage, events)
     inputs, targets = setup["inputs"].to(device), setup["targets"].to(device)
     losses: list[Tensor] = []
-    for _ in range(steps):
-        model.zero_grad(set_to_none=True)
-        events.clear()
-        losses.clear()
-        dist.barrier()
-        start = time.time()
-        with counting_batch_isend_irecv() as calls:
-            run_step(runtime, inputs, targets, losses)
-        step = (start, time.time())
-    return {"losses": [loss.item() for loss in losses], "step": step,
-            "grads": {name: p.grad.cpu() for name, p in model.named_parameters()
-                      if p.grad is not None},
-            "timeline": Timeline(world, events).to_dict(), "batch_isend_irecv": len(calls)}
+    return _last_step(lambda: run_step(runtime, inputs, targets, losses), model, events,
+                      losses, steps)
 
 
 MESH = "mesh"   # mesh_step's results: WORKDIR/mesh/rank{rank}.pt
@@ -450,11 +454,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         pp, _, dp = args.mesh.partition("x")
         if not (pp.isdigit() and dp.isdigit() and int(pp) >= 1 and int(dp) >= 1):
             parser.error(f"--mesh {args.mesh!r}: write PPxDP, e.g. 2x2")
+    csvs = [] if args.csv is None else [Path(csv) for csv in args.csv.split(",")]
+    for csv in csvs:                # read and checked before any rank waits for another
+        try:
+            exported(csv)
+        except (OSError, ValueError) as error:
+            parser.error(f"--csv {csv}: {error}")
     setup = torch.load(args.workdir / "setup.pt")
     device = worker_device()
-    if args.csv is not None:
+    if csvs:
         with process_group():
-            for csv in map(Path, args.csv.split(",")):
+            for csv in csvs:
                 folder = _csv_folder(args.workdir, csv)
                 folder.mkdir(exist_ok=True)
                 results.start_run(folder, RESULTS)
