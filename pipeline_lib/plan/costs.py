@@ -339,19 +339,22 @@ def chunk_costs(model: Model, cluster: Cluster, layout: Layout) -> ChunkCosts:
 
 def with_sharded_data(costs: ChunkCosts, cluster: Cluster, layout: Layout,
                       params: list[float], bandwidth: float) -> ChunkCosts:
-    """``costs`` with the gathers of weights that are resharded after each forward
-    (ZeRO-3, FSDP's default): each forward and each backward first all-gathers its
-    chunk's weights over the dp·cp replicas, layer by layer, prefetched under the
-    previous layer's compute, so an action takes the longer of the two (`overlapped`).
-    (The reduce-scatter of sharded gradients waits for nothing: it is priced as a
-    stream of its own, `predict.gradient_reduction`.)"""
+    """``costs`` with the data-parallel traffic of weights that are resharded after each
+    forward (ZeRO-3, FSDP's default): each forward first all-gathers its chunk's weights
+    over the dp·cp replicas, and each backward gathers them again and reduce-scatters
+    their gradients, layer by layer on the same link, prefetched under the neighbouring
+    layers' compute, so an action takes the longer of its compute and its traffic
+    (`overlapped`). (Sharded gradients of weights kept whole wait for nothing: their
+    reduce-scatter is priced as a stream of its own, `predict.gradient_reduction`.)"""
     if not (layout.shard_parameters and layout.reshard_after_forward):
         return costs
     e, r = cluster.value_bytes, layout.replicas
     forward, backward, weight = [], [], []
     for c, (f, b, w) in enumerate(zip(costs.forward, costs.backward, costs.weight)):
         gather = ring_seconds(e * params[c], r, bandwidth, cluster.latency, 1.0)
-        total = overlapped(b, gather)
+        scatter = ring_seconds(gradient_bytes(cluster, layout) * params[c], r, bandwidth,
+                               cluster.latency, 1.0)
+        total = overlapped(b, gather + scatter)
         forward.append(overlapped(f, gather))
         backward.append(total)
         weight.append(w * total / b if b else 0.0)

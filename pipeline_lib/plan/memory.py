@@ -144,25 +144,33 @@ def held_peaks(schedule: Schedule, sizes: Sequence[float]) -> list[float]:
     its last backward action (B, or the W of a split one). A rank runs its actions one
     after another, so this is what any timing of the schedule holds
     (`Timeline.peak_activations`, which `simulate`'s timelines give, agrees)."""
+    return [float(held.max()) for held in _walked(schedule, [np.asarray(sizes, float)])]
+
+
+def _walked(schedule: Schedule, vectors: list[np.ndarray]) -> list[np.ndarray]:
+    """Per rank, the held sums of each of ``vectors`` (per stage) after each forward."""
     split = {(a.stage, a.microbatch) for actions in schedule.actions for a in actions
              if a.kind == "W"}
-    peaks = []
+    sizes = np.stack(vectors, axis=1)
+    out = []
     for actions in schedule.actions:
-        held = peak = 0.0
+        held = np.zeros(len(vectors))
+        rows = [held.copy()]
         for a in actions:
             if a.kind == "F":
-                held += sizes[a.stage]
-                peak = max(peak, held)
-            elif a.kind == "B" or a.kind == "W" or (a.kind == "I" and (a.stage, a.microbatch)
-                                                     not in split):
-                held -= sizes[a.stage]
-        peaks.append(peak)
-    return peaks
+                held = held + sizes[a.stage]
+                rows.append(held)
+            elif a.kind in ("B", "W") or (a.kind == "I" and (a.stage, a.microbatch)
+                                          not in split):
+                held = held - sizes[a.stage]
+        out.append(np.array(rows))
+    return out
 
 
 # The builders of `pipeline_lib.schedules` whose ranks each run `one_forward_one_backward`:
 # ``ahead(p, m, v, r, first round)`` forwards before the first backward, weights ``lag(r)``
-# backwards late (None: unsplit), micro-batches in `rounds` (looped) or one by one.
+# backwards late (None: unsplit), micro-batches in `rounds` (True), one by one through
+# each chunk (None: looped_bfs) or on one chunk (False).
 _FAMILIES = {
     "gpipe": (lambda p, m, v, r, g: m, None, False),
     "1f1b": (lambda p, m, v, r, g: p - r, None, False),
@@ -175,50 +183,60 @@ _FAMILIES = {
 }
 
 
-def schedule_peaks(name: str, ranks: int, microbatches: int, virtual_stages: int,
-                   sizes: Sequence[float], which: Sequence[int] | None = None) -> list[float]:
-    """`held_peaks` of the named schedule, for the ranks in ``which`` (all by default),
-    without building it: each rank's order of forwards and backwards is a few arrays,
-    and the held bytes after each forward are two prefix sums apart. Schedules built
-    otherwise (zb_v, dualpipe_v) are built and walked. Tests check that both agree with
-    `held_peaks` of the built schedule."""
+def held_windows(name: str, ranks: int, microbatches: int, virtual_stages: int,
+                 vectors: Sequence[Sequence[float]], which: Sequence[int]) -> list[np.ndarray]:
+    """For each rank in ``which``, the held sums of each of ``vectors`` (one value per
+    stage) at every moment a forward has just started: a (moments × vectors) array, whose
+    column maxima are `held_peaks`. Without building the schedule: a rank's forwards and
+    backwards come in a known order (`_FAMILIES`), and the held sums after each forward
+    are two prefix sums apart. Schedules built otherwise (zb_v, dualpipe_v) are built and
+    walked. Tests check both against `held_peaks` of the built schedule."""
     p, m, v = ranks, microbatches, virtual_stages
-    which = range(p) if which is None else which
+    sizes = np.stack([np.asarray(vec, dtype=float) for vec in vectors], axis=1)
     if name not in _FAMILIES:
-        peaks = held_peaks(build(name, p, m, v), sizes)
-        return [peaks[r] for r in which]
+        walked = _walked(build(name, p, m, v), [sizes[:, k] for k in range(sizes.shape[1])])
+        return [walked[r] for r in which]
     ahead, lag, looped = _FAMILIES[name]
-    sizes_ = np.asarray(sizes, dtype=float)
     groups = rounds(p, m) if looped else [range(m)]
-    first = len(groups[0])
     out = []
     for r in which:
         chunks = np.arange(v) * p + r if looped is not False else np.array([r])
-        # forwards: round by round, chunk after chunk; backwards: the chunks reversed
-        forward = np.concatenate([np.repeat(sizes_[chunks], len(g)) for g in groups]) \
-            if looped is not None else np.repeat(sizes_[chunks], m)
-        backward = np.concatenate([np.repeat(sizes_[chunks[::-1]], len(g)) for g in groups]) \
-            if looped is not None else np.repeat(sizes_[chunks[::-1]], m)
+        if looped is None:                    # each chunk through all m, then the next
+            forward = np.repeat(sizes[chunks], m, axis=0)
+            backward = np.repeat(sizes[chunks[::-1]], m, axis=0)
+        else:
+            forward = np.concatenate([np.repeat(sizes[chunks], len(g), axis=0)
+                                      for g in groups])
+            backward = np.concatenate([np.repeat(sizes[chunks[::-1]], len(g), axis=0)
+                                       for g in groups])
         n = len(forward)
-        a = min(ahead(p, m, v, r, first), n)
+        a = min(ahead(p, m, v, r, len(groups[0])), n)
         late = lag(r) if lag is not None else 0
-        taken = np.concatenate([[0.0], np.cumsum(forward)])
-        released = np.concatenate([[0.0], np.cumsum(backward)])
+        zero = np.zeros((1, sizes.shape[1]))
+        taken = np.concatenate([zero, np.cumsum(forward, axis=0)])
+        released = np.concatenate([zero, np.cumsum(backward, axis=0)])
         k = np.arange(n - a)                       # the k-th backward, then a forward
-        held = taken[a + k + 1] - released[np.maximum(k + 1 - late, 0)]
-        out.append(float(max(taken[a], held.max() if len(held) else 0.0)))
+        moments = taken[a + k + 1] - released[np.maximum(k + 1 - late, 0)]
+        out.append(np.concatenate([taken[:a + 1], moments]))
     return out
 
 
-def rank_chunks(layout: Layout) -> list[list[int]]:
-    """The model chunks (schedule stages) each pipeline rank holds: looped schedules
+def schedule_peaks(name: str, ranks: int, microbatches: int, virtual_stages: int,
+                   sizes: Sequence[float], which: Sequence[int] | None = None) -> list[float]:
+    """`held_peaks` of the named schedule for the ranks in ``which`` (all by default),
+    from `held_windows`."""
+    which = range(ranks) if which is None else which
+    return [float(w[:, 0].max()) for w in held_windows(name, ranks, microbatches,
+                                                       virtual_stages, [sizes], which)]
+
+
+def rank_chunks(layout: Layout, rank: int) -> list[int]:
+    """The model chunks (schedule stages) pipeline rank ``rank`` holds: looped schedules
     put chunk c on rank c mod p, V-shaped ones r and 2p − 1 − r."""
     p, v = layout.pp, layout.chunks_per_rank
-    if v == 1:
-        return [[r] for r in range(p)]
     if layout.schedule in ("zb_v", "dualpipe_v"):
-        return [[r, 2 * p - 1 - r] for r in range(p)]
-    return [[c * p + r for c in range(v)] for r in range(p)]
+        return [rank, 2 * p - 1 - rank]
+    return [c * p + rank for c in range(v)]
 
 
 def chunk_parameters(model: Model, layout: Layout, layers: list[int]) -> list[float]:
@@ -227,10 +245,10 @@ def chunk_parameters(model: Model, layout: Layout, layers: list[int]) -> list[fl
     single chunk, tied weights once, untied twice)."""
     last = len(layers) - 1
     table = model.vocab * model.hidden
-    ends = [(c == 0) + (c == last and (last > 0 or not model.tied_embeddings))
-            for c in range(len(layers))]
-    return [(n * model.layer_parameters() + table * k) / layout.tp
-            for n, k in zip(layers, ends)]
+    per_layer = model.layer_parameters()
+    return [(n * per_layer + table * ((c == 0) + (c == last and (last > 0 or not
+                                                                 model.tied_embeddings))))
+            / layout.tp for c, n in enumerate(layers)]
 
 
 def activation_sizes(model: Model, cluster: Cluster, layout: Layout,
@@ -251,24 +269,26 @@ def busiest_memory(model: Model, cluster: Cluster, layout: Layout, layers: list[
     the two layers in flight, or, kept from forward to backward, of all the rank's
     chunks) and with sharded gradients one layer's unsharded gradient; plus the
     cluster's ``reserved_bytes``."""
-    params = chunk_parameters(model, layout, layers)
-    owned = rank_chunks(layout)
     ranks = range(layout.pp) if ranks is None else ranks
-    loss_rank = next(r for r, chunks in enumerate(owned) if len(layers) - 1 in chunks)
+    loss_rank = layout.pp - 1 if layout.schedule not in ("zb_v", "dualpipe_v") else 0
     working = layer_activation_bytes(model, cluster, layout, "none") \
         if layout.recompute == "full" else 0.0
     layer_params = model.layer_parameters() / layout.tp
+    table = model.vocab * model.hidden / layout.tp
+    last = len(layers) - 1
     e = cluster.value_bytes
-    best = None
+    best, most = None, -1.0
     for r, peak in zip(ranks, held):
-        mine = sum(params[c] for c in owned[r])
+        owned = rank_chunks(layout, r)
+        mine = sum(layers[c] for c in owned) * layer_params + table * (
+            (0 in owned) + (last in owned and (last > 0 or not model.tied_embeddings)))
         weights, gradients, optimizer = state_bytes(mine, cluster, layout)
         if layout.shard_parameters:
             weights += e * (2 * layer_params if layout.reshard_after_forward else mine)
         if layout.shard_gradients:
             gradients += gradient_bytes(cluster, layout) * layer_params
         activations = peak + working + (logits_bytes(model, layout) if r == loss_rank else 0)
-        memory = Memory(weights, gradients, optimizer, activations, cluster.reserved_bytes)
-        if best is None or memory > best:
-            best = memory
-    return best
+        total = weights + gradients + optimizer + activations
+        if total > most:
+            best, most = (weights, gradients, optimizer, activations), total
+    return Memory(*best, cluster.reserved_bytes)

@@ -337,24 +337,27 @@ def layers_per_chunk(layers: int, chunks: int, first: int | None = None,
             raise ValueError(f"one stage holds all {layers} layers: first_stage_layers "
                              f"and last_stage_layers must be None or {layers}")
         return [layers]
+    middle = chunks - 2
     fixed = (first or 0) + (last or 0)
-    middle = chunks - (first is not None) - (last is not None)
-    if fixed > layers or (middle == 0 and fixed != layers):
+    free = middle + (first is None) + (last is None)
+    if fixed > layers or (free == 0 and fixed != layers):
         raise ValueError(f"first_stage_layers {first} and last_stage_layers {last} do not "
-                         f"leave the other {middle} stages the rest of {layers} layers")
-    base, extra = divmod(layers - fixed, middle) if middle else (0, 0)
-    free = [c for c in range(chunks) if not (c == 0 and first is not None)
-            and not (c == chunks - 1 and last is not None)]
+                         f"leave the other stages the rest of {layers} layers")
+    base, extra = divmod(layers - fixed, free) if free else (0, 0)
     # the extra layers go to the middle stages first, then the last, then the first
-    order = [c for c in free if 0 < c < chunks - 1] + [c for c in (chunks - 1, 0) if c in free]
     counts = [base] * chunks
-    for c in order[:extra]:
+    for c in range(1, 1 + min(extra, middle)):
         counts[c] += 1
+    spare = extra - min(extra, middle)
+    for c in ([chunks - 1] if last is None else []) + ([0] if first is None else []):
+        if spare:
+            counts[c] += 1
+            spare -= 1
     if first is not None:
         counts[0] = first
     if last is not None:
         counts[-1] = last
-    if any(n == 0 for n in counts[1:-1]):
+    if middle and base == 0 and extra < middle:
         raise ValueError(f"{layers} layers cannot fill {chunks} model chunks (every chunk "
                          f"but the first and the last at least one layer): lower pp or "
                          f"virtual_stages")

@@ -97,7 +97,9 @@ def gradient_reduction(cluster: Cluster, layout: Layout, schedule: Schedule,
     bucket starts as that backward produces it, layer by layer; without, after the
     rank's last action. Sharded gradients (ZeRO-2/3, FSDP) cannot be summed over the
     micro-batches first: every backward reduce-scatters its chunk's, as it produces
-    them. Whatever ends after the pipeline's last action is exposed.
+    them (with weights resharded after the forward, within the backward's own traffic:
+    `costs.with_sharded_data`). Whatever ends after the pipeline's last action is
+    exposed.
 
     Then the updated weights of ZeRO stages 1 and 2: an all-gather after the optimizer
     step, or with ``overlap_param_gather`` (and for ZeRO-3 weights kept gathered from
@@ -122,7 +124,8 @@ def gradient_reduction(cluster: Cluster, layout: Layout, schedule: Schedule,
         elif event.action.kind == "F" and event.start < first.get(c, float("inf")):
             first[c] = event.start
     finish = 0.0
-    for rank, events in enumerate(backwards):
+    in_actions = layout.shard_parameters and layout.reshard_after_forward
+    for rank, events in enumerate([] if in_actions else backwards):
         if not layout.shard_gradients:
             events = [last_backward[c] for c in schedule.stages_on(rank)]
         events = sorted(events, key=lambda event: event.start)
