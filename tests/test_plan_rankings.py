@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import pytest
 
 from pipeline_lib.plan import CLUSTERS, Layout, Model, predict
-from pipeline_lib.plan.published import BY_NAME, LLAMA_405B
+from pipeline_lib.plan.published import BY_NAME, LLAMA31_405B, torchtitan_405b
 
 A100, H100 = CLUSTERS["A100-80GB"], CLUSTERS["H100-80GB"]
 MARGIN = 0.01          # the better one must be better by more than 1%
@@ -25,8 +25,6 @@ GPT3 = Model(layers=96, hidden=12288, heads=96, seq_len=2048, vocab=51200)
 GPT162 = Model(layers=32, hidden=20480, heads=128, seq_len=2048, vocab=51200)
 # Korthikanti et al. 2022's 530B GPT (Narayanan et al.'s 529.6B row)
 GPT530 = Model(layers=105, hidden=20480, heads=128, seq_len=2048, vocab=51200)
-# torchtitan docs/performance.md, Table 5: Llama 3.1 405B (vocabulary 128,256)
-LLAMA31_405B = replace(LLAMA_405B, vocab=128256)
 # Megatron-LM README (H100 scaling): GPT-3 with a 131,072-token vocabulary, sequence 4096
 GPT3_H100 = Model(layers=96, hidden=12288, heads=96, seq_len=4096, vocab=131072,
                   tied_embeddings=False)
@@ -52,17 +50,6 @@ def korthikanti(recompute: str) -> Layout:
     return Layout(tp=8, pp=35, dp=8, micro_batch=1, global_batch=2240, virtual_stages=3,
                   schedule="interleaved_1f1b", recompute=recompute,
                   sequence_parallel=recompute == "selective")
-
-
-def torchtitan(schedule: str) -> Layout:
-    """torchtitan's 3D run: FSDP 8 × TP 8 × PP 8, local batch 32 (global 256) in
-    micro-batches of 1, full activation checkpointing, Float8, AsyncTP; FSDP under a
-    pipeline keeps its weights from forward to backward (torchtitan's default)."""
-    return Layout(tp=8, pp=8, dp=8, micro_batch=1, global_batch=256, schedule=schedule,
-                  virtual_stages=2 if schedule == "interleaved_1f1b" else 1,
-                  recompute="full", sequence_parallel=True, tp_comm_overlap=True,
-                  flash_attention=True, fp8=True, distributed_optimizer=True,
-                  shard_gradients=True, shard_parameters=True, reshard_after_forward=False)
 
 
 def strong(gpus: int) -> Layout:
@@ -108,7 +95,8 @@ RANKINGS = [
             korthikanti("full")),
     Ranking("interleaved beats 1F1B at 512 H100s (405B)",
             "torchtitan docs/performance.md, Table 5: 128 against 100 tokens/s per GPU",
-            LLAMA31_405B, H100, torchtitan("interleaved_1f1b"), torchtitan("1f1b")),
+            LLAMA31_405B, H100, torchtitan_405b("interleaved_1f1b"),
+            torchtitan_405b("1f1b")),
     Ranking("more GPUs at a fixed batch: a shorter step",
             "NVIDIA/NeMo-Megatron-Launcher README Sec. 7.1.2: GPT 5B from 1 to 32 DGX "
             "A100 nodes, 28.7x the tokens per second on 32x the GPUs",
@@ -179,5 +167,5 @@ def test_selective_recompute_fits_where_published():
     "the measured difference must come from. A known miss, reported in bench/README."))
 def test_interleaved_needs_less_memory_than_1f1b_at_512_h100s():
     """torchtitan docs/performance.md, Table 5 (Llama 3.1 405B on 512 H100s)."""
-    interleaved = predict(LLAMA31_405B, H100, torchtitan("interleaved_1f1b")).memory
-    assert interleaved < predict(LLAMA31_405B, H100, torchtitan("1f1b")).memory
+    interleaved = predict(LLAMA31_405B, H100, torchtitan_405b("interleaved_1f1b")).memory
+    assert interleaved < predict(LLAMA31_405B, H100, torchtitan_405b("1f1b")).memory

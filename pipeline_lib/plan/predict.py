@@ -103,9 +103,9 @@ def gradient_reduction(cluster: Cluster, layout: Layout, schedule: Schedule,
 
     Then the updated weights of ZeRO stages 1 and 2: an all-gather after the optimizer
     step, or with ``overlap_param_gather`` (and for ZeRO-3 weights kept gathered from
-    forward to backward, once per step) under the next step's forwards, each chunk's
-    before its first forward. (ZeRO-3 weights resharded after the forward are gathered
-    per action: `costs.with_sharded_data`.)"""
+    forward to backward, once per step) under the next step's first forwards, bucket by
+    bucket, each layer's before that layer's first forward. (ZeRO-3 weights resharded
+    after the forward are gathered per action: `costs.with_sharded_data`.)"""
     e, r = cluster.value_bytes, layout.replicas
     if r == 1:
         return 0.0
@@ -114,15 +114,15 @@ def gradient_reduction(cluster: Cluster, layout: Layout, schedule: Schedule,
     share = 1.0 if layout.distributed_optimizer else 2.0
     last_backward: dict[int, Event] = {}
     backwards: list[list[Event]] = [[] for _ in range(layout.pp)]
-    first: dict[int, float] = {}
+    first: dict[int, Event] = {}
     for event in timeline.events:
         c = event.action.stage
         if event.action.kind in ("B", "W"):
             backwards[event.rank].append(event)
             if event.end >= last_backward.get(c, event).end:
                 last_backward[c] = event
-        elif event.action.kind == "F" and event.start < first.get(c, float("inf")):
-            first[c] = event.start
+        elif event.action.kind == "F" and (c not in first or event.start < first[c].start):
+            first[c] = event
     finish = 0.0
     in_actions = layout.shard_parameters and layout.reshard_after_forward
     for rank, events in enumerate([] if in_actions else backwards):
@@ -147,9 +147,14 @@ def gradient_reduction(cluster: Cluster, layout: Layout, schedule: Schedule,
     late = 0.0
     for rank in range(layout.pp):
         done = 0.0
-        for c in sorted(schedule.stages_on(rank), key=lambda c: first[c]):
-            done += ring_seconds(e * params[c], r, bandwidth, cluster.latency, 1.0)
-            late = max(late, done - first[c] if gathered else done)
+        for c in sorted(schedule.stages_on(rank), key=lambda c: first[c].start):
+            buckets = max(layers[c], 1)
+            seconds = ring_seconds(e * params[c] / buckets, r, bandwidth, cluster.latency, 1.0)
+            start, end = first[c].start, first[c].end
+            for k in range(buckets):
+                done += seconds            # each layer's weights before its forward
+                late = max(late, done - (start + k / buckets * (end - start))
+                           if gathered else done)
     return exposed + late
 
 

@@ -197,6 +197,26 @@ def llama3_405b(gpus: int, dp: int, tflops: float) -> Run:
                "TFLOP/s per GPU", 6 * 405e9 * 2048 * 8192, "Llama 3 (Meta)")
 
 
+TORCHTITAN = "pytorch/torchtitan docs/performance.md, Table 5 (512 H100s with 96 GB)"
+# Llama 3.1 405B as torchtitan trains it: Llama 3 405B with the 128,256-token vocabulary
+LLAMA31_405B = Model(layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248,
+                     gated_mlp=True, seq_len=8192, vocab=128256, dropout=False,
+                     tied_embeddings=False)
+
+
+def torchtitan_405b(schedule: str) -> Layout:
+    """torchtitan's 3D run of Llama 3.1 405B: FSDP 8 × TP 8 × PP 8 on 512 H100s, local
+    batch 32 (global 256) in micro-batches of 1, full activation checkpointing, Float8,
+    AsyncTP, 1F1B or interleaved 1F1B (2 stages per rank); FSDP under a pipeline keeps
+    its weights from forward to backward. Its GPUs (H100 with 96 GB of HBM2e at 500 W)
+    are not a preset's: its rows rank, they are not in `RUNS`."""
+    return Layout(tp=8, pp=8, dp=8, micro_batch=1, global_batch=256, schedule=schedule,
+                  virtual_stages=2 if schedule == "interleaved_1f1b" else 1,
+                  recompute="full", sequence_parallel=True, tp_comm_overlap=True,
+                  flash_attention=True, fp8=True, distributed_optimizer=True,
+                  shard_gradients=True, shard_parameters=True, reshard_after_forward=False)
+
+
 RUNS = [
     narayanan("1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, 1, 137),
     narayanan("3.6B", 32, 3072, 30, 2, 1, 64, 512, 16, 1, 138),
