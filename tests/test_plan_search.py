@@ -17,8 +17,8 @@ def test_a_sequence_that_tp_does_not_divide_is_priced_without_sequence_paralleli
     inside `predict` (583 of 2,996 layouts of one search). Every enumerated layout is
     now priced or rejected, sequence parallelism only where tp divides the sequence."""
     model = Model(layers=12, hidden=2048, heads=16, seq_len=1020, vocab=32000)
-    enumerated = list(layouts(model, 16, 64, ("1f1b", "interleaved_1f1b"),
-                              ("none", "full"), None, False))
+    enumerated = [layout for layout, _ in layouts(model, 16, 64, ("1f1b", "interleaved_1f1b"),
+                                                  ("none", "full"), None, False)]
     result = search(model, A100, 16, 64, schedules=("1f1b", "interleaved_1f1b"),
                     recompute=("none", "full"))
     assert len(result.ranked) + len(result.rejected) == len(enumerated)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from pipeline_lib.schedules import BUILDERS, LOOPED, V_SHAPED
 
@@ -324,6 +325,12 @@ def check_fits(model: Model, layout: Layout) -> None:
 
 def layers_per_chunk(layers: int, chunks: int, first: int | None = None,
                      last: int | None = None) -> list[int]:
+    return list(_layers_per_chunk(layers, chunks, first, last))
+
+
+@lru_cache(maxsize=4096)
+def _layers_per_chunk(layers: int, chunks: int, first: int | None = None,
+                      last: int | None = None) -> tuple[int, ...]:
     """Split ``layers`` over ``chunks`` (the schedule's stages). ``first`` and ``last``
     fix the first and the last chunk's (Megatron-LM's ``--decoder-first-pipeline-num-
     layers``); the rest share the others as evenly as possible. Where it does not
@@ -336,7 +343,7 @@ def layers_per_chunk(layers: int, chunks: int, first: int | None = None,
         if first not in (None, layers) or last not in (None, layers):
             raise ValueError(f"one stage holds all {layers} layers: first_stage_layers "
                              f"and last_stage_layers must be None or {layers}")
-        return [layers]
+        return (layers,)
     middle = chunks - 2
     fixed = (first or 0) + (last or 0)
     free = middle + (first is None) + (last is None)
@@ -361,4 +368,4 @@ def layers_per_chunk(layers: int, chunks: int, first: int | None = None,
         raise ValueError(f"{layers} layers cannot fill {chunks} model chunks (every chunk "
                          f"but the first and the last at least one layer): lower pp or "
                          f"virtual_stages")
-    return counts
+    return tuple(counts)

@@ -32,7 +32,7 @@ from pipeline_lib.plan.hardware import GiB, Cluster
 from pipeline_lib.plan.memory import (Memory, busiest_memory,
                                       embedding_activation_bytes, held_windows,
                                       layer_activation_bytes)
-from pipeline_lib.plan.model import RECOMPUTE, Layout, Model, check_fits
+from pipeline_lib.plan.model import RECOMPUTE, Layout, Model, check_fits, layers_per_chunk
 from pipeline_lib.plan.predict import (ADAM_BYTES, Plan, as_cluster, data_parallel_bandwidth,
                                        predict)
 from pipeline_lib.schedules import BUILDERS, LOOPED, V_SHAPED
@@ -114,8 +114,9 @@ def layouts(model: Model, gpus: int, global_batch: int, schedules: tuple[str, ..
             recompute: tuple[str, ...], micro_batches: tuple[int, ...] | None,
             flash_attention: bool, context_parallel: tuple[int, ...] = (1,),
             fp8: bool = False):
-    """Every combination of the space (see the module's docstring), as `Layout`s, or as
-    `Rejected` where the sizes cannot make one (with the reason)."""
+    """Every combination of the space (see the module's docstring), as (`Layout`, its
+    layers per chunk), or (`Rejected`, None) where the sizes cannot make one (with the
+    reason)."""
     for tp, cp in itertools.product(divisors(gpus), context_parallel):
         if gpus % (tp * cp):
             continue
@@ -124,19 +125,19 @@ def layouts(model: Model, gpus: int, global_batch: int, schedules: tuple[str, ..
             where = f"tp {tp} × cp {cp} × pp {pp} × dp {dp}"
             if global_batch % dp:
                 yield Rejected(None, where, f"global batch {global_batch} does not split "
-                               f"into {dp} equal replica batches")
+                               f"into {dp} equal replica batches"), None
                 continue
             per_replica = global_batch // dp
             try:
                 check_fits(model, Layout(tp=tp, cp=cp, pp=pp, dp=dp, global_batch=global_batch))
             except ValueError as error:
-                yield Rejected(None, where, str(error))
+                yield Rejected(None, where, str(error)), None
                 continue
             mbs = [b for b in (micro_batches or divisors(per_replica))
                    if per_replica % b == 0 and (micro_batches or b <= 16)]
             if not mbs:
                 yield Rejected(None, where, f"no micro-batch size of {list(micro_batches)} "
-                               f"divides a replica's {per_replica} sequences")
+                               f"divides a replica's {per_replica} sequences"), None
                 continue
             sp = tp > 1 and model.seq_len % (tp * cp) == 0
             sharding = SHARDING if dp * cp > 1 else ((False, False, False, True),)
@@ -155,6 +156,7 @@ def layouts(model: Model, gpus: int, global_batch: int, schedules: tuple[str, ..
                         ends.append((per - 1, per - 1))
                     for first, last in ends:
                         try:
+                            layers = layers_per_chunk(model.layers, chunks, first, last)
                             layout = Layout(
                                 tp=tp, cp=cp, pp=pp, dp=dp, micro_batch=mb,
                                 global_batch=global_batch, virtual_stages=v, schedule=name,
@@ -164,12 +166,11 @@ def layouts(model: Model, gpus: int, global_batch: int, schedules: tuple[str, ..
                                 shard_parameters=zero[2], reshard_after_forward=zero[3],
                                 overlap_param_gather=zero[0],
                                 first_stage_layers=first, last_stage_layers=last)
-                            check_fits(model, layout)
                         except ValueError as error:
                             yield Rejected(None, f"{where}, micro-batch {mb}, {name} v={v}",
-                                           str(error))
+                                           str(error)), None
                             continue
-                        yield layout
+                        yield layout, layers
 
 
 @lru_cache(maxsize=4096)
@@ -299,12 +300,12 @@ def search(model: Model, cluster: Cluster | str, gpus: int, global_batch: int, *
     _per_layer.cache_clear()
     fitting: list[Candidate] = []
     rejected: list[Rejected] = []
-    for layout in layouts(model, gpus, global_batch, tuple(schedules), tuple(recompute),
-                          micro_batches, flash_attention, tuple(context_parallel), fp8):
+    for layout, layers in layouts(model, gpus, global_batch, tuple(schedules),
+                                  tuple(recompute), micro_batches, flash_attention,
+                                  tuple(context_parallel), fp8):
         if isinstance(layout, Rejected):
             rejected.append(layout)
             continue
-        layers = chunk_layers(model, layout)
         memory = search_memory(model, cluster, layout, layers)
         if memory > cluster.hbm_bytes:
             rejected.append(Rejected(layout, describe(layout), _too_big(memory, cluster)))
