@@ -19,7 +19,7 @@ import pytest
 
 from pipeline_lib.plan import CLUSTERS, predict
 from pipeline_lib.plan.calibrate import FACTORS, log_error
-from pipeline_lib.plan.published import (BY_NAME, CALIBRATION, GPU_TYPES, RUNS,
+from pipeline_lib.plan.published import (BY_NAME, CALIBRATION, GPU_TYPES, REFITS, RUNS,
                                          baseline_step_time, constant_baseline, model_tflops,
                                          thirds)
 
@@ -81,6 +81,15 @@ def test_both_gpu_types_meet_the_target_on_their_own(errors):
         mine = [abs(errors[r.name][0]) for r in HELD_OUT if r.cluster_name == gpu]
         base = [abs(errors[r.name][1]) for r in HELD_OUT if r.cluster_name == gpu]
         assert statistics.median(mine) <= min(0.10, 0.5 * statistics.median(base)), gpu
+
+
+def test_the_recorded_refits_start_with_the_presets():
+    """`REFITS` (bench_plan.py --refit's record, which notebook 07 prints) begins with the
+    fit on `CALIBRATION`: the presets'."""
+    factors = REFITS[0][0]
+    for gpu in GPU_TYPES:
+        assert factors[gpu] == (CLUSTERS[gpu].matmul_efficiency,
+                                CLUSTERS[gpu].bandwidth_efficiency)
 
 
 @pytest.mark.parametrize("gpu", GPU_TYPES)

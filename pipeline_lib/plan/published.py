@@ -275,6 +275,14 @@ def thirds(cluster_name: str) -> list[list[str]]:
 
 # Each GPU type's two efficiency factors are fitted on the first third of its rows.
 CALIBRATION = {name: thirds(name)[0] for name in GPU_TYPES}
+# bench/bench_plan.py --refit (recorded 2026-11-28): each third's fit, (matmul, bandwidth)
+# per GPU type, and the held-out error with it (median, worst; the constant baseline's
+# median on the same rows). The first is the presets'.
+REFITS = [
+    ({"A100-80GB": (0.61, 0.90), "H100-80GB": (0.54, 1.00)}, 0.035, 0.099, 0.148),
+    ({"A100-80GB": (0.66, 0.71), "H100-80GB": (0.59, 0.60)}, 0.031, 0.117, 0.165),
+    ({"A100-80GB": (0.66, 0.70), "H100-80GB": (0.52, 1.00)}, 0.031, 0.128, 0.162),
+]
 
 
 def constant_baseline(calibration: Sequence[str] = ()) -> dict[str, float]:
