@@ -222,7 +222,8 @@ def test_layout_that_does_not_split_the_model_is_refused(layout, message):
 
 
 def test_gpus_that_do_not_match_the_layout_are_refused():
-    with pytest.raises(ValueError, match=r"tp × cp × pp × dp = 8 × 1 × 8 × 1 = 64 GPUs, not 128"):
+    with pytest.raises(ValueError,
+                       match=r"tp × cp × pp × dp = 8 × 1 × 8 × 1 = 64 GPUs, not 128"):
         predict(GPT_175B, A100, Layout(tp=8, pp=8, global_batch=8), gpus=128)
 
 

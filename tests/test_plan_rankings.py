@@ -7,7 +7,6 @@ agree, by more than a rounding (`MARGIN`).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import pytest

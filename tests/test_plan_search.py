@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline_lib.plan import CLUSTERS, Layout, Model, predict, search
+from pipeline_lib.plan import CLUSTERS, Model, predict, search
 from pipeline_lib.plan.published import BY_NAME
 from pipeline_lib.plan.search import Rejected, differences, layouts
 

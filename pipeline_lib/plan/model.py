@@ -1,5 +1,6 @@
 """What is trained and how it is laid out: `Model` (a decoder-only Transformer) and
-`Layout` (tensor × pipeline × data parallelism, micro-batch, schedule, recompute)."""
+`Layout` (tensor × context × pipeline × data parallelism, micro-batch, schedule,
+recompute, what the data dimension shards, what overlaps)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

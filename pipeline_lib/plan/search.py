@@ -26,8 +26,8 @@ from numbers import Integral
 
 import numpy as np
 
-from pipeline_lib.plan.costs import (Pass, chunk_layers, message_seconds, passes,
-                                     ring_seconds)
+from pipeline_lib.plan.costs import (Pass, chunk_layers, gradient_bytes, message_seconds,
+                                     passes, ring_seconds)
 from pipeline_lib.plan.hardware import GiB, Cluster
 from pipeline_lib.plan.memory import (Memory, busiest_memory,
                                       embedding_activation_bytes, held_windows,
@@ -246,7 +246,7 @@ def estimate(model: Model, cluster: Cluster, layout: Layout,
     r, e = layout.replicas, cluster.value_bytes
     bandwidth = data_parallel_bandwidth(cluster, layout)
     params = (per_stage * model.layer_parameters() + model.vocab * model.hidden) / layout.tp
-    gradient = (4 if layout.bytes_per_parameter == 18 else e) * params
+    gradient = gradient_bytes(cluster, layout) * params
     forward, backward = work.forward, work.input_grad + work.weight_grad + per_stage * recompute
     regather = layout.shard_parameters and layout.reshard_after_forward
     scatter = ring_seconds(gradient, r, bandwidth, cluster.latency, 1.0)
