@@ -75,7 +75,7 @@ class StageRunner:
     output into micro-batch i's share of the batch loss: ``loss_fn(out, target) * w_i``
     for a mean-reduced loss (see `microbatch.loss_weights`), or the ``loss_sum`` of a
     ``SumCount(loss_sum, count)``, unscaled (see `pipeline_lib.loss`). ``losses[i]`` keeps
-    ``(that value, count or None)``, detached.
+    that value, detached, as a `loss.MicroLoss` (with the count, or None).
 
     ``rng`` gives each micro-batch its random stream (`rng.microbatch_rng`, or
     `rng.owned_rng` where one thread runs every stage of the process). ``input_as_given``:
@@ -121,11 +121,11 @@ class StageRunner:
               use_tracker(tracker)):
             out = self.module(_owned(self.inputs[microbatch], copy))
             if self.last:
-                loss, count = micro_loss(self.loss_fn(out, self.targets[microbatch]),
-                                         microbatch, need_grad=torch.is_grad_enabled(),
-                                         output=out)
-                out = loss * self.loss_weights[microbatch] if count is None else loss
-                self.losses.setdefault(microbatch, (out.detach(), count))   # not a replay's
+                loss = micro_loss(self.loss_fn(out, self.targets[microbatch]), microbatch,
+                                  need_grad=torch.is_grad_enabled(), output=out)
+                out = loss.value * self.loss_weights[microbatch] if loss.count is None \
+                    else loss.value
+                self.losses.setdefault(microbatch, loss._replace(value=out.detach()))  # not a replay's
         return out, tracker.stashed
 
     def forward(self, microbatch: int, inputs: Any, target: Any = None,

@@ -3,13 +3,17 @@ the line that made it, and leaves torch as it found it."""
 from __future__ import annotations
 
 import threading
+from typing import Callable
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from host_sync import HostSyncs
+from pipeline_lib import Pipe
+from workloads import VOCAB, padded_batch, token_mean, token_sum
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)
 HERE = "tests/test_host_sync.py"
@@ -89,3 +93,57 @@ def test_stage_threads_count_too_and_torch_is_left_as_it_was():
     assert len(syncs) == 1
     assert {name: torch.Tensor.__dict__.get(name) for name in before} == before
     assert torch.tensor.__module__ != __name__ and torch.Tensor.item is torch._C.TensorBase.item
+
+
+# -- the executors: nothing per message or per micro-batch --------------------------------
+
+STEADY = {"pipeline_lib/rng.py in new_step_seed": 1,   # a CPU tensor: no device to wait for
+          "pipeline_lib/devices.py in read_back": 1}   # the step's one check, at its end
+
+
+def dropout_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, 8), nn.Dropout(0.1), nn.Tanh(),
+                         nn.Linear(8, VOCAB))
+
+
+def steady_state_syncs(step: Callable[[], object]) -> dict[str, int]:
+    """The sites of one step's host syncs, after a first step of the same shapes."""
+    step()
+    with HostSyncs() as syncs:
+        step()
+    return syncs.by_site()
+
+
+@pytest.mark.parametrize("loss", ["mean", "sum and count"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1", "interleaved_1f1b"])
+def test_a_pipe_step_reads_the_device_once_whatever_the_micro_batches(schedule, loss):
+    """The last stage's losses are summed on the device and checked with one read at the
+    step's end; dropout and checkpointing add nothing; inputs cross no device here."""
+    loss_fn = token_mean if loss == "mean" else token_sum
+    inputs, target = padded_batch()
+    counts = []
+    for m in (2, 4):
+        balance = [1, 1, 1, 2] if schedule == "interleaved_1f1b" else [2, 3]
+        pipe = Pipe(dropout_model(), chunks=m, balance=balance)
+        counts.append(steady_state_syncs(lambda: pipe.step(inputs, target, loss_fn, schedule)))
+    assert counts[0] == counts[1] == STEADY
+
+
+def test_a_one_rank_distributed_pipe_step_reads_the_device_once_per_step(tmp_path):
+    """A DistributedPipe step without messages (pp = 1): the step's bookkeeping (seed,
+    shapes and step number agreed in one all-reduce) and its loss cost the same at any
+    number of micro-batches."""
+    from pipeline_lib.distributed import DistributedPipe, init_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        mesh = init_mesh(1)
+        inputs, target = padded_batch()
+        pipes = [DistributedPipe(dropout_model(), mesh, [5], m, "1f1b") for m in (2, 4)]
+        counts = [steady_state_syncs(lambda: pipe.step(inputs, target, token_sum))
+                  for pipe in pipes]
+    finally:
+        dist.destroy_process_group()
+    assert counts[0] == counts[1]

@@ -219,7 +219,8 @@ class DistributedPipe:
         schedule, mesh = self.schedule, self.mesh
         step_seed, key = self._agree(inputs, target)
         micro_in, micro_target, weights = split_batch(inputs, target, schedule.microbatches,
-                                                      mesh.dp, mesh.replica)
+                                                      mesh.dp, mesh.replica,
+                                                      pin=mesh.device.type == "cuda")
         last = schedule.stages - 1
         runners = make_runners({s: (module, mesh.device) for s, module in self.modules.items()},
                                last, self.checkpoint, schedule.microbatches, step_seed,
