@@ -59,12 +59,14 @@ def test_a_failed_write_keeps_the_last_good_timeline(tmp_path, monkeypatch):
 @pytest.mark.parametrize("schedule,actions", [("1f1b", 2 * 2 * 2),        # F, B; m = 2
                                               ("zb_v", 4 * 2 * 3)])       # F, I, W on 4 stages
 def test_two_ranks_train_and_save_the_last_logged_timeline(tmp_path, schedule, actions):
-    """On a V schedule the last stage, which has the loss and logs, is on rank 0."""
+    """On a V schedule the last stage, which has the loss and logs, is on rank 0. Rank 0
+    times the layers: the log said the logging rank's device."""
     target = tmp_path / "timeline.json"
     output = torchrun("pipeline_lib.lm.train", [
         "--pp", "2", "--schedule", schedule, "--synthetic", "50", "--steps", "3",
         "--log-every", "2", "--batch", "4", "--bptt", "8", "--microbatches", "2",
-        "--balance", "params", "--timeline", target, "--timeout", "60"], nproc=2, timeout=150)
+        "--timeline", target, "--timeout", "60"], nproc=2, timeout=150)
+    assert "(by time on cpu of rank 0)" in output
     assert [line.split()[1] for line in output.splitlines() if line.startswith("step")] \
         == ["2", "3"]
     timeline = Timeline.from_dict(json.loads(target.read_text()))
@@ -105,7 +107,7 @@ def test_balance_is_measured_on_the_training_device_in_its_precision(monkeypatch
     device = torch.device("cpu")
     sample = (torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long))
     assert train._balance(torch.nn.Sequential(), sample, 2, "time", device,
-                          train._precision("bf16", device)) == [1, 1]
+                          train._precision("bf16", device)) == ([1, 1], "by time on cpu of rank 0")
     assert seen["device"] == device and seen["loss_fn"] is lm_loss and seen["autocast"]
     assert seen["target"] is sample[1]
 

@@ -251,18 +251,20 @@ def _precision(dtype: str, device: torch.device) -> Precision:
 
 
 def _balance(model: nn.Module, sample: tuple[torch.Tensor, torch.Tensor], stages: int,
-             by: str, device: torch.device, precision: Precision) -> list[int]:
-    """Timing is noisy, so rank 0 measures and every rank uses its answer. It measures on
-    its own device, in the run's precision, with the loss on the last layer: layer times
-    on a CPU say little about a GPU's, where the output layer and the loss dominate."""
+             by: str, device: torch.device, precision: Precision) -> tuple[list[int], str]:
+    """The balance, and how it was found, for the log. Timing is noisy, so rank 0
+    measures and every rank uses its answer. It measures on its own device, in the
+    run's precision, with the loss on the last layer: layer times on a CPU say little
+    about a GPU's, where the output layer and the loss dominate. The rank that logs is
+    another one: the answer names rank 0's device, not the logger's."""
     if by == "params":
-        return balance_by_params(model, stages)
+        return balance_by_params(model, stages), "by params"
     answer = [None]
     if dist.get_rank() == 0:
         inputs, target = sample
         with precision():
-            answer = [balance_by_time(model, inputs, stages, device=device, loss_fn=lm_loss,
-                                      target=target)]
+            answer = [(balance_by_time(model, inputs, stages, device=device, loss_fn=lm_loss,
+                                       target=target), f"by time on {device} of rank 0")]
     dist.broadcast_object_list(answer, src=0)
     return answer[0]
 
@@ -296,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
         precision = _precision(args.dtype, mesh.device)
         rows = max(1, args.batch // (args.dp * args.microbatches))   # one micro-batch
         sample = tuple(t[:rows] for t in get_batch(source, 0, args.bptt))
-        balance = _balance(model, sample, stages, args.balance, mesh.device, precision)
+        balance, balanced = _balance(model, sample, stages, args.balance, mesh.device,
+                                     precision)
         pipe = DistributedPipe(model, mesh, balance, args.microbatches, args.schedule, args.checkpoint)
         del model   # this rank keeps only its stages
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
@@ -310,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
                              f"and this run has {len(starts)}: raise --steps to go on")
         if mesh.rank == logger:
             _log(f"{pipe.schedule.name}: {args.pp} pipeline ranks x {args.dp} replicas, "
-                 f"stages {balance} (by {args.balance} on {mesh.device}), {args.microbatches} "
+                 f"stages {balance} ({balanced}), {args.microbatches} "
                  f"micro-batches, {args.dtype}, {parameters:,} parameters"
                  + (f", resumed after step {done}" if args.resume else ""))
         bar = tqdm(range(done, len(starts)), desc="train", initial=done, total=len(starts),
