@@ -156,18 +156,6 @@ def _kinds_agree(losses: Sequence[MicroLoss]) -> bool:
     return all(counted)
 
 
-def total_count(losses: Sequence[MicroLoss]) -> Tensor | None:
-    """The sum of the micro-batches' counts, float64 (on the device where a count was a
-    tensor); None if ``loss_fn`` returned means."""
-    if not _kinds_agree(losses):
-        return None
-    tensors = [loss.count for loss in losses if isinstance(loss.count, Tensor)]
-    numbers = sum(loss.count for loss in losses if not isinstance(loss.count, Tensor))
-    if not tensors:
-        return torch.tensor(numbers, dtype=torch.float64)
-    return torch.stack(tensors).sum() + numbers
-
-
 def check_losses(losses: Sequence[MicroLoss]) -> float | None:
     """What the host could not check while the micro-batches ran, with one read of the
     device (`devices.read_back`), at the step's end: no mean over no element, and every

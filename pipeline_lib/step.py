@@ -21,10 +21,10 @@ from torch import Tensor, nn
 
 from pipeline_lib import tree
 from pipeline_lib.devices import pinned
-from pipeline_lib.loss import (MicroLoss, StepGradients, check_count, check_losses,
-                                 total_count)
+from pipeline_lib.loss import MicroLoss, StepGradients, check_count, check_losses
 from pipeline_lib.microbatch import NoChunk, check_rows, loss_weights, split
-from pipeline_lib.stage import LossFn, RandomStream, StageRunner
+from pipeline_lib.rng import RandomStream
+from pipeline_lib.stage import LossFn, StageRunner
 from pipeline_lib.interrupts import interrupts_held
 
 
@@ -110,20 +110,18 @@ def train_step(parameters: Iterable[nn.Parameter],
     return loss
 
 
-def local_loss(losses: list[MicroLoss]) -> tuple[Tensor, Tensor | None]:
-    """The sum of the micro-batches' weighted losses (or loss sums), and of their counts
-    (None for mean losses), summed on the device, once `check_losses` has checked them
-    (its one read of the device)."""
-    check_losses(losses)
-    return torch.stack([loss.value for loss in losses]).sum(), total_count(losses)
+def local_loss(losses: list[MicroLoss]) -> tuple[Tensor, float | None]:
+    """The sum of the micro-batches' weighted losses (or loss sums), on the device, and
+    of their counts, read on the host (None for mean losses), once `check_losses` has
+    checked them: the step's one read of the device."""
+    total = check_losses(losses)
+    return torch.stack([loss.value for loss in losses]).sum(), total
 
 
 def batch_loss(losses: list[MicroLoss]) -> tuple[Tensor, float]:
     """The batch's loss from all of its micro-batches' losses, and the factor for
-    `train_step`: 1 for means (the weights did the scaling), 1 / Σ count for sums. The
-    loss is summed on the device; the host reads the device once (`check_losses`)."""
-    total = check_losses(losses)
-    loss = torch.stack([loss.value for loss in losses]).sum()
+    `train_step`: 1 for means (the weights did the scaling), 1 / Σ count for sums."""
+    loss, total = local_loss(losses)
     if total is None:
         return loss, 1.0
     check_count(total)
