@@ -180,7 +180,8 @@ def environment(table: Table, machine: Machine) -> None:
     with table.row("env", "torch, CUDA, NCCL and the GPUs found") as row:
         row.result = "info"
         names = sorted({torch.cuda.get_device_name(k) for k in range(machine.gpus)})
-        nccl = ".".join(map(str, torch.cuda.nccl.version())) if machine.cuda else "-"
+        nccl = torch.cuda.nccl.version() if machine.cuda else "-"
+        nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl
         row.detail = (f"torch {torch.__version__}, Python {platform.python_version()}, "
                       f"CUDA {torch.version.cuda}, NCCL {nccl}, {machine.gpus} GPU(s) "
                       f"{names or ''}")
@@ -321,9 +322,14 @@ def pipe_rows(table: Table, machine: Machine) -> None:
         assert abs(norm - expected) <= 1e-4 * expected, (norm, expected)
         assert_grads(pipe, {n: p.grad for n, p in model.named_parameters()})
     with table.row("Pipe", f"a steady-state step makes the host wait for nothing ({where})") as row:
-        steps = {m: threaded_pipe(machine, "1f1b", dropout=0.1, microbatches=m) for m in (2, 4)}
+        import torch.nn.functional as F
+        from gpu_check_worker import mlp, mlp_batch
+        from pipeline_lib import Pipe
+
+        pipes = {m: Pipe(mlp(), m, "except_last", [2, 2], [machine.device(0), machine.device(1)])
+                 for m in (2, 4)}
         row.detail = no_host_waits(machine, {m: (lambda pipe=pipe: pipe.step(
-            *batch(), token_loss, "1f1b")) for m, pipe in steps.items()})
+            *mlp_batch(), F.cross_entropy, "1f1b")) for m, pipe in pipes.items()})
 
 
 def no_host_waits(machine: Machine, steps: dict[int, Callable[[], Any]]) -> str:

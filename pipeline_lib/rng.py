@@ -9,25 +9,29 @@ timings and both executors.
 A kernel that draws without being given a generator (dropout, ``torch.rand``) draws from
 its device's process-wide generator: on the CPU one for the whole process, on a GPU one
 per device, shared by every thread. Three mechanisms give a block its stream; all draw
-what the process-wide generator seeded with the stream's seed would draw, and none costs
-anything per kernel on the hot path:
+what the process-wide generator seeded with the stream's seed would draw:
 
 * `owned_rng`, where one thread runs every stage of the process (`DistributedPipe`, a
   one-rank `Pipe.step`): it seeds the process-wide generators for the block and puts
-  them back after. Two state copies per (stage, micro-batch).
+  them back after. Two state copies per (stage, micro-batch), nothing per kernel.
 * `shared_rng`, where stage threads draw at once (`Pipe.step` on several ranks, and
   ``pipe(x)``, whose checkpointed stages replay on autograd's threads): only the layers
-  that draw touch the shared generators, each with the stream's state swapped in under
-  a lock for that layer's forward only (a dropout layer: one kernel). Which layers draw
-  is found the first time a stage runs (in each training mode), by `microbatch_rng`; a
-  draw elsewhere since (a layer that draws only sometimes, another thread of the
-  process drawing during the step) is caught when the block ends, as an error: its
-  numbers would have depended on thread timing.
+  that draw get the stream, while they run, and nothing else pays anything (a model
+  without dropout, or in eval mode, nothing at all). On a GPU stage the stream's state
+  is swapped into the generators under a lock, for the microseconds the host takes to
+  queue the layer's kernels; on a CPU stage, where the layer computes while it runs,
+  `microbatch_rng`'s dispatch mode hands the layer's random kernels the stream's
+  generators, without a lock, for that layer only (a dropout: four kernels). Which
+  layers draw is found the first time a stage runs (in each training mode), by
+  `microbatch_rng`; a draw elsewhere since (a layer that draws only sometimes, another
+  thread of the process drawing during the step) is caught when the block ends, as an
+  error: its numbers would have depended on thread timing.
 * `microbatch_rng`, a dispatch mode that sees every kernel (aten op) the block runs, a
   Python call each, and hands each random one the stream's generator (or, for a kernel
   that takes none, CUDA's fused dropout, the stream swapped in under the lock): exact
-  whatever the block runs. `shared_rng` uses it to find the layers that draw, and for a
-  stage that draws outside any layer (in ``loss_fn``, say), every time.
+  whatever the block runs. `shared_rng` uses it to find the layers that draw, inside
+  them on CPU stages, and for a stage that draws outside any layer (in ``loss_fn``, say),
+  every time.
 """
 from __future__ import annotations
 
@@ -71,14 +75,16 @@ def _process_generator(device: torch.device) -> torch.Generator:
 
 class _Stream(TorchDispatchMode):
     """Sees every kernel (aten op) of the block; gives each random one its stream: a
-    generator per device (the CPU and the stage's), made on the first draw there.
-    ``drew(device)`` is told of each draw from a process-wide generator."""
+    generator per device (the CPU and the stage's), made on the first draw there (in
+    ``generators``, which may outlive the block). ``drew(device)`` is told of each draw
+    that would have come from a process-wide generator."""
 
     def __init__(self, seed: int, device: torch.device,
-                 drew: Callable[[torch.device], None] = lambda device: None):
+                 drew: Callable[[torch.device], None] = lambda device: None,
+                 generators: dict[torch.device, torch.Generator] | None = None):
         super().__init__()
         self.seed, self.devices, self.drew = seed, (CPU, device), drew
-        self.generators: dict[torch.device, torch.Generator] = {}
+        self.generators = {} if generators is None else generators
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -148,19 +154,33 @@ _outside: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 class _Block:
-    """One (stage, micro-batch)'s stream in `shared_rng`: its state on each device it
-    has drawn on, swapped into the process-wide generators while a drawing layer runs."""
+    """One (stage, micro-batch)'s stream in `shared_rng`, given to each layer that draws.
 
-    def __init__(self, seed: int):
-        self.seed = seed
-        self.states: dict[torch.device, torch.Tensor] = {}
+    On a GPU stage the stream's state is swapped into the process-wide generators, under
+    the lock, while the layer runs: the host only queues kernels then, so the lock is
+    held for microseconds. On a CPU stage the layer computes while it runs, and a lock
+    held through an attention's forward would make concurrent stage threads wait for
+    each other (bench/README.md): there `_Stream` hands the layer's random kernels the
+    stream's generators instead, for that layer only, without a lock."""
+
+    def __init__(self, seed: int, device: torch.device):
+        self.seed, self.device = seed, device
+        self.generators: dict[torch.device, torch.Generator] = {}   # `_Stream`'s, on a CPU
+        self.states: dict[torch.device, torch.Tensor] = {}          # swapped in, on a GPU
         self.swapped: dict[torch.device, torch.Tensor] = {}   # device -> what it displaced
-        self.levels: list[list[torch.device]] = []   # the devices each layer swapped in
+        self.levels: list[Any] = []   # per layer running: the devices it swapped, or a mode
 
     def enter(self, devices: set[torch.device]) -> None:
         """A drawing layer starts. Layers nest (a block that draws itself and holds a
-        dropout layer): the lock is held, and the stream swapped in on a device, from
-        the outermost layer that draws there to its end."""
+        dropout layer): from the outermost one that draws on a device to its end, the
+        lock is held and the stream swapped in there (or the dispatch mode is on)."""
+        if self.device.type == "cpu":
+            mode = None
+            if not any(self.levels):
+                mode = _Stream(self.seed, self.device, generators=self.generators)
+                mode.__enter__()
+            self.levels.append(mode)
+            return
         new = [d for d in devices if d not in self.swapped]
         if new and not self.swapped:
             _LOCK.acquire()
@@ -175,12 +195,15 @@ class _Block:
 
     def exit(self) -> None:
         """The layer that entered last ends: what it swapped in goes back."""
-        new = self.levels.pop()
-        for d in new:
+        level = self.levels.pop()
+        if isinstance(level, _Stream):
+            level.__exit__(None, None, None)
+            return
+        for d in level or []:
             generator = _process_generator(d)
             self.states[d] = generator.get_state()
             generator.set_state(self.swapped.pop(d))
-        if new and not self.swapped:
+        if level and not self.swapped:
             _LOCK.release()
 
 
@@ -261,7 +284,7 @@ def shared_rng(seed: int, device: torch.device | str = "cpu",
     generators = {d: _process_generator(d) for d in (CPU, device)}
     with _LOCK:
         before = {d: g.get_state() for d, g in generators.items()}
-    previous, _local.block = getattr(_local, "block", None), _Block(seed)
+    previous, _local.block = getattr(_local, "block", None), _Block(seed, device)
     try:
         yield
     finally:
