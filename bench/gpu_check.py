@@ -275,7 +275,8 @@ def pipe_rows(table: Table, machine: Machine) -> None:
     where = "2 stage threads on one GPU" if machine.gpus == 1 else (
         "2 GPUs" if machine.cuda else "2 stage threads on the CPU")
     want_loss, want = reference(machine.device())
-    with table.row("Pipe", f"every schedule's gradients = the unpipelined model's ({where})") as row:
+    with table.row("Pipe", f"every schedule's gradients = the unpipelined model's "
+                           f"({where})") as row:
         failed = []
         for schedule in sorted(BUILDERS):
             pipe = threaded_pipe(machine, schedule)
@@ -297,7 +298,8 @@ def pipe_rows(table: Table, machine: Machine) -> None:
             grads.append({n: p.grad for n, p in pipe.named_parameters()})
         for name, grad in grads[0].items():
             torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
-    with table.row("Pipe", f"bfloat16 autocast: float32 weights, the plain model's loss ({where})") as row:
+    with table.row("Pipe", f"bfloat16 autocast: float32 weights, the plain model's loss "
+                           f"({where})") as row:
         from dist_worker import tiny_lm
 
         device = machine.device()
@@ -310,14 +312,16 @@ def pipe_rows(table: Table, machine: Machine) -> None:
                    for p in pipe.parameters())
         torch.testing.assert_close(loss.float(), expected.to(loss.device), rtol=1e-2, atol=1e-2)
         row.detail = f"loss {loss.item():.4f}, unpipelined {expected.item():.4f}"
-    with table.row("Pipe", f"clip_grad_norm_ over the stages = PyTorch's on the whole model ({where})"):
+    with table.row("Pipe", f"clip_grad_norm_ over the stages = PyTorch's on the whole "
+                           f"model ({where})"):
         from dist_worker import tiny_lm
 
         pipe = threaded_pipe(machine, "zb_h1")
         pipe.step(*batch(), token_loss, "zb_h1")
         norm = clip_grad_norm_(pipe, 0.05).item()
         model = tiny_lm().to(machine.device())
-        token_loss(model(batch()[0].to(machine.device())), batch()[1].to(machine.device())).backward()
+        inputs, target = (t.to(machine.device()) for t in batch())
+        token_loss(model(inputs), target).backward()
         expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item()
         assert abs(norm - expected) <= 1e-4 * expected, (norm, expected)
         assert_grads(pipe, {n: p.grad for n, p in model.named_parameters()})
@@ -403,7 +407,8 @@ def distributed_rows(table: Table, machine: Machine, job: Job, how: str) -> None
     with table.row("DistributedPipe", f"clip_grad_norm_ = PyTorch's on the whole model ({how})"):
         failed = [rank["clip"] for rank in ranks if rank["clip"]]
         assert not failed, failed[0]
-    with table.row("DistributedPipe", f"a steady-state step makes the host wait for nothing ({how})") as row:
+    with table.row("DistributedPipe", f"a steady-state step makes the host wait for "
+                                      f"nothing ({how})") as row:
         failed = [rank["sync"]["detail"] for rank in ranks if not rank["sync"]["ok"]]
         assert not failed, failed[0]
         row.detail = ranks[0]["sync"]["detail"]

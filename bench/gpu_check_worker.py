@@ -2,15 +2,15 @@
 
     torchrun --standalone --nproc-per-node N bench/gpu_check_worker.py --out DIR [--raw]
 
-On each rank's device (a GPU over NCCL, or the CPU over gloo with ``--cpu``), for every
-schedule: one step of `dist_worker.tiny_lm` (tests/), this rank's gradients against the
-same model's unpipelined step on the same device; with dropout, on two stages per rank,
-the gradients saved (``DIR/dropout-rank{r}.pt``, for `gpu_check` to hold against the
-threaded `Pipe`'s, whose stage threads must draw the same masks); `clip_grad_norm_` against PyTorch's on the whole model; then
-two steady-state steps of an `mlp` under ``torch.cuda.set_sync_debug_mode("error")`` (on
-the CPU: `host_sync.HostSyncs`, whose sites must not depend on the number of
-micro-batches).
-Each rank writes ``DIR/rank{r}.json``.
+On each rank's device (a GPU over NCCL, or the CPU over gloo), for every schedule: one
+step of `dist_worker.tiny_lm` (tests/), this rank's gradients against the same model's
+unpipelined step on the same device; with dropout, on two stages per rank, the gradients
+saved (``DIR/dropout-rank{r}.pt``, for `gpu_check` to hold against the threaded `Pipe`'s,
+whose stage threads must draw the same masks); `clip_grad_norm_` against PyTorch's on
+the whole model; then two steady-state steps of an `mlp` under
+``torch.cuda.set_sync_debug_mode("error")`` (on the CPU: `host_sync.HostSyncs`, whose
+sites must not depend on the number of micro-batches). Each rank writes
+``DIR/rank{r}.json``.
 
 ``--raw`` joins the process group without `job.process_group`, which refuses ranks that
 share a GPU: it is how `gpu_check` tries NCCL with two ranks on one GPU.

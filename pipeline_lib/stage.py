@@ -123,7 +123,8 @@ class StageRunner:
                                   need_grad=torch.is_grad_enabled(), output=out)
                 out = loss.value * self.loss_weights[microbatch] if loss.count is None \
                     else loss.value
-                self.losses.setdefault(microbatch, loss._replace(value=out.detach()))  # not a replay's
+                # (a replay's loss is not kept: the first pass's is)
+                self.losses.setdefault(microbatch, loss._replace(value=out.detach()))
         return out, tracker.stashed
 
     def forward(self, microbatch: int, inputs: Any, target: Any = None,
