@@ -121,7 +121,7 @@ from pipeline_lib import tree
 from pipeline_lib.batchnorm import DeferredBatchNorm
 from pipeline_lib.checkpoint import check_mode
 from pipeline_lib.deprecation import renamed_keywords
-from pipeline_lib.devices import WithDevice
+from pipeline_lib.devices import WithDevice, read_back, transfer
 from pipeline_lib.distributed.mesh import Mesh, check_same_everywhere
 from pipeline_lib.distributed.p2p import (Message, PostedEarly, Transport, batch_key,
                                           describe_tensors)
@@ -219,7 +219,8 @@ class DistributedPipe:
         schedule, mesh = self.schedule, self.mesh
         step_seed, key = self._agree(inputs, target)
         micro_in, micro_target, weights = split_batch(inputs, target, schedule.microbatches,
-                                                      mesh.dp, mesh.replica)
+                                                      mesh.dp, mesh.replica,
+                                                      pin=mesh.device.type == "cuda")
         last = schedule.stages - 1
         runners = make_runners({s: (module, mesh.device) for s, module in self.modules.items()},
                                last, self.checkpoint, schedule.microbatches, step_seed,
@@ -256,10 +257,10 @@ class DistributedPipe:
         self.steps += 1
         key = batch_key(_shapes(inputs), _shapes(target))
         seed = new_step_seed() if mesh.rank == 0 else -1
-        sent = torch.tensor([seed, key, -key, self.steps, -self.steps], dtype=torch.int64,
-                            device=mesh.device)
+        sent = transfer(torch.tensor([seed, key, -key, self.steps, -self.steps],
+                                     dtype=torch.int64), mesh.device)
         dist.all_reduce(sent, op=dist.ReduceOp.MAX)
-        step_seed, most_key, least_key, most_steps, least_steps = sent.tolist()
+        step_seed, most_key, least_key, most_steps, least_steps = read_back(sent)
         if most_key != -least_key or most_steps != -least_steps:
             self._disagreement(inputs, target)
         if mesh.replica > 0:
@@ -328,10 +329,10 @@ class DistributedPipe:
         mesh, m = self.mesh, self.schedule.microbatches
         loss, count = local_loss([runner.losses[i] for i in range(m)]) if runner is not None \
             else (None, None)
-        agreed = torch.tensor([0.0 if count is None else count.item(), float(count is not None)],
-                              dtype=torch.float64, device=mesh.device)
+        agreed = transfer(torch.tensor([count or 0.0, float(count is not None)],
+                                       dtype=torch.float64), mesh.device)
         dist.all_reduce(agreed)   # [total count, replicas whose loss_fn returned counts]
-        total, counted = agreed.tolist()
+        total, counted = read_back(agreed)
         if counted not in (0, mesh.dp):
             raise RuntimeError(f"loss_fn returned SumCount(loss_sum, count) on {counted:g} of "
                                f"the {mesh.dp} replicas and means on the others; return the "

@@ -260,7 +260,8 @@ class Pipe(nn.Module):
     def _step(self, inputs: Any, target: Any, loss_fn: LossFn,
               schedule: str | Schedule) -> Tensor:
         check_grad_mode("Pipe.step")
-        micro_in, micro_target, weights = split_batch(inputs, target, self.chunks)
+        micro_in, micro_target, weights = split_batch(
+            inputs, target, self.chunks, pin=any(d.type == "cuda" for d in self.devices))
         m, n = len(micro_in), len(self.partitions)
         plan = self._schedule(schedule, m)
         runners = make_runners({s: (self.partitions[s], self.devices[s]) for s in range(n)},
