@@ -34,8 +34,8 @@ API
     on a link that matches by order receives in this order), ``pairs()`` (the ``(src,
     dst)`` rank pairs that exchange messages, sorted).
 ``Step(action, receives, sends)``
-    A compute `schedules.Action`, the `Receive`\\ s right before it (its input first, then
-    the skip tensors or their gradients), and the `Send`\\ s right after it (its output
+    A compute `schedules.Action`, the `Receive`s right before it (its input first, then
+    the skip tensors or their gradients), and the `Send`s right after it (its output
     first, then the skips).
 ``Receive(peer, message, local)``, ``Send(peer, message, local)``
     ``peer``: the rank it comes from or goes to. ``local``: that rank is this one (two
@@ -220,7 +220,7 @@ def _consumer(message: Message, split: frozenset[tuple[int, int]]) -> Action:
 
 def lower(schedule: Schedule, routes: Sequence[SkipRoute] = ()) -> LoweredSchedule:
     """``schedule`` (validated first) with the messages of its stages and of the skip
-    ``routes``, as each rank's program of `Step`\\ s (see the module docstring)."""
+    ``routes``, as each rank's program of `Step`s (see the module docstring)."""
     validate(schedule)
     return _lowered(schedule, routes)
 
