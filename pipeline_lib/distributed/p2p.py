@@ -121,10 +121,12 @@ def describe_tensors(value: Any) -> str:
     return type(value).__name__
 
 
-def batch_key(*values: Any) -> int:
-    """A number that changes when the shapes or dtypes of a step's batch change (and
-    otherwise not): when it is an earlier step's, so are the shapes of every message."""
-    digest = hashlib.blake2b(describe_tensors(values).encode(), digest_size=7).digest()
+def batch_key(*values: Any, state: object = ()) -> int:
+    """A number that changes when the shapes or dtypes of a step's batch change, or the
+    ``state`` its messages depend on (its ``repr``), and otherwise not: when it is an
+    earlier step's, so are the layouts of every message."""
+    described = describe_tensors(values) + repr(state)
+    digest = hashlib.blake2b(described.encode(), digest_size=7).digest()
     return int.from_bytes(digest, "little")
 
 
@@ -157,7 +159,7 @@ def encode(message: Message, value: Any, skip: int = -1,
               0 if skeleton is None else len(skeleton), len(tensors)]
     for t in tensors:
         if t.dtype not in dtypes:
-            refused = "" if t.dtype in DTYPES else " (NCCL has no such type)"
+            refused = " (NCCL has no such type)" if t.dtype in DTYPES else ""
             raise TypeError(f"cannot send {describe_tensors(value)} as {message}: a "
                             f"{t.dtype} tensor{refused}; tensors of dtypes "
                             f"{[str(d) for d in dtypes]} (in a tree of tuples, lists and "

@@ -247,7 +247,7 @@ class DistributedPipe:
         replica 0's."""
         mesh = self.mesh
         self.steps += 1
-        key = batch_key(_shapes(inputs), _shapes(target))
+        key = _layout_key(inputs, target, mesh.device)
         seed = new_step_seed() if mesh.rank == 0 else -1
         sent = torch.tensor([seed, key, -key, self.steps, -self.steps], dtype=torch.int64,
                             device=mesh.device)
@@ -321,8 +321,9 @@ class DistributedPipe:
         mesh, m = self.mesh, self.schedule.microbatches
         loss, count = local_loss([runner.losses[i] for i in range(m)]) if runner is not None \
             else (None, None)
-        agreed = torch.tensor([0.0 if count is None else count.item(), float(count is not None)],
-                              dtype=torch.float64, device=mesh.device)
+        agreed = torch.zeros(2, dtype=torch.float64, device=mesh.device)
+        if count is not None:   # copied on the device: no host read
+            agreed[0], agreed[1] = count, 1.0
         dist.all_reduce(agreed)   # [total count, replicas whose loss_fn returned counts]
         total, counted = agreed.tolist()
         if counted not in (0, mesh.dp):
@@ -416,6 +417,16 @@ def check_no_weight_shared_across_ranks(module: nn.Module, stages: Sequence[nn.M
             f"per stage); to train untied copies as one weight, as Megatron-LM does for its "
             f"embeddings, start them equal and all-reduce their gradients over the ranks "
             f"holding a copy after each step")
+
+
+def _layout_key(inputs: Any, target: Any, device: torch.device) -> int:
+    """`p2p.batch_key` of what decides the layout of every message of a step: the
+    batch's shapes and dtypes, which of its tensors every micro-batch gets whole
+    (`NoChunk`), and autocast, which changes the dtypes stages compute in."""
+    whole = [isinstance(leaf, NoChunk) for leaf in tree.leaves((inputs, target))]
+    autocast = torch.is_autocast_enabled(device.type) and \
+        torch.get_autocast_dtype(device.type)
+    return batch_key(_shapes(inputs), _shapes(target), state=(whole, autocast))
 
 
 def _shapes(batch: Any) -> tuple[Any, ...]:
