@@ -11,8 +11,8 @@ each rank makes during a step whose batch has an earlier step's shapes, at two
 micro-batch counts, each counted by the file of pipeline_lib that made it.
 ``autocast``: a step, then one with the same batch under autocast (bfloat16 messages);
 then one with a mask given whole (`NoChunk`) after one where it was split.
-``timeout``: rank 1 stalls in its second step for `STALL` seconds, longer than the mesh's
-timeout, while rank 0 waits for its gradient.
+``timeout``: rank 1 stalls in its second step's first forward for `STALL` seconds, longer
+than the mesh's timeout, while rank 0 waits for its gradient.
 """
 from __future__ import annotations
 
@@ -31,38 +31,25 @@ from pipeline_lib.distributed import DistributedPipe
 from pipeline_lib.distributed.job import process_group
 from pipeline_lib.distributed.mesh import init_mesh
 from pipeline_lib.schedules import stages_per_rank
+from dist_worker import Hiccup
+from workloads import PopMul, Stash
 
 ROWS, WIDTH, MICROBATCHES, STALL = 12, 6, 4, 90.0
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_v", "zb_h1"]
 
 
 @skippable(stash=["skip"])
-class Stash(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x):
-        h = self.linear(x)
-        yield stash("skip", h)
-        return torch.tanh(h)
-
-
-@skippable(pop=["skip"])
-class Pop(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x):
-        skip = yield pop("skip")
-        return self.linear(x) * (1 if skip is None else skip)
-
-
-@skippable(stash=["skip"])
 class StashNone(nn.Module):
     def forward(self, x):
         yield stash("skip", None)
+        return x
+
+
+@skippable(pop=["skip"])
+class PopNone(nn.Module):
+    def forward(self, x):
+        skip = yield pop("skip")
+        assert skip is None
         return x
 
 
@@ -73,11 +60,11 @@ def skip_model() -> nn.Sequential:
     (an interleaved rank's or a V's two stages)."""
     torch.manual_seed(0)
     outer, inner, nothing = Namespace("outer"), Namespace("inner"), Namespace("nothing")
-    return nn.Sequential(Stash().isolate(outer), Stash().isolate(inner),
+    return nn.Sequential(Stash(WIDTH).isolate(outer), Stash(WIDTH).isolate(inner),
                          StashNone().isolate(nothing), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
-                         nn.Linear(WIDTH, WIDTH), nn.Tanh(), Pop().isolate(inner),
-                         nn.Linear(WIDTH, WIDTH), Pop().isolate(nothing), nn.Tanh(),
-                         Pop().isolate(outer))
+                         nn.Linear(WIDTH, WIDTH), nn.Tanh(), PopMul(WIDTH).isolate(inner),
+                         nn.Linear(WIDTH, WIDTH), PopNone().isolate(nothing), nn.Tanh(),
+                         PopMul(WIDTH).isolate(outer))
 
 
 def balance(name: str, pp: int) -> list[int]:
@@ -193,24 +180,11 @@ class Take(nn.Module):
         return inputs[0]
 
 
-class Stall(nn.Module):
-    """Sleeps `STALL` seconds in the forward of its ``call``-th call."""
-
-    def __init__(self, call: int):
-        super().__init__()
-        self.call, self.calls = call, 0
-
-    def forward(self, x):
-        self.calls += 1
-        if self.calls == self.call:
-            time.sleep(STALL)
-        return x
-
-
 def run_timeout(timeout: float) -> None:
     mesh = init_mesh(2, timeout=timeout)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), Stall(MICROBATCHES + 1))
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH),
+                          Hiccup(MICROBATCHES + 1, lambda: time.sleep(STALL)))
     pipe = DistributedPipe(model, mesh, [1, 1], MICROBATCHES, "gpipe")
     inputs, target = batch()
     for _ in range(2):

@@ -19,10 +19,10 @@ from pipeline_lib.checkpoint import check_mode
 from pipeline_lib.devices import stage_devices
 from pipeline_lib.executor import Stopwatch, perf_clock, run_program
 from pipeline_lib.loss import StepGradients, check_grad_mode
+from pipeline_lib.lowering import LoweredSchedule, lower, lower_forward
 from pipeline_lib.microbatch import gather, split
 from pipeline_lib.partition import group_layers
 from pipeline_lib.rng import new_step_seed, streams_for
-from pipeline_lib.lowering import LoweredSchedule, lower, lower_forward
 from pipeline_lib.schedules import BUILDERS, Schedule, plan
 from pipeline_lib.skip import SkipKey, skip_routes
 from pipeline_lib.stage import LossFn, StageRunner
