@@ -116,11 +116,11 @@ class Mesh:
         taken in any other order, could wait in a cycle; and a broken link fails now, not
         in the middle of a step."""
         new = sorted(set(pairs) - self.connected)
-        at = lambda d, p: grid_rank(self.order, self.pp, self.dp, d, p)  # noqa: E731
         wait = timedelta(seconds=self.timeout + CHANNEL_GRACE)
         for d in range(self.dp):   # new_group is collective: every rank makes every group
             for src, dst in new:
-                group = dist.new_group([at(d, src), at(d, dst)], timeout=wait)
+                ranks = [grid_rank(self.order, self.pp, self.dp, d, p) for p in (src, dst)]
+                group = dist.new_group(ranks, timeout=wait)
                 if d == self.replica and self.pipe_rank in (src, dst):
                     self.channels[(src, dst)] = group
         self.connected.update(new)

@@ -85,7 +85,7 @@ import pickle
 import time
 from collections import deque
 from datetime import timedelta
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, ContextManager, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -336,48 +336,45 @@ class PointToPoint:
         else:
             self._wait_on_host(works)
 
-    def _wait_on_host(self, works: Sequence[dist.Work]) -> None:
-        """Wait on the host until ``works`` are done, at most the mesh's timeout. On NCCL
-        by asking whether they are done, which waits for nothing: a ``work.wait(timeout)``
-        would wait forever on a kernel that never ends."""
+    def _wait_on_host(self, works: Sequence[dist.Work], deadline: float | None = None) -> None:
+        """Wait on the host until ``works`` are done, at most the mesh's timeout (or until
+        ``deadline``, a `time.monotonic` time, on NCCL). On NCCL by asking whether they
+        are done, which waits for nothing: ``work.wait(timeout)`` there would wait
+        forever on a kernel that never ends."""
         if not self.nccl:
             for work in works:
                 work.wait(self.timeout)
             return
-        deadline = time.monotonic() + self.mesh.timeout
+        deadline = deadline or time.monotonic() + self.mesh.timeout
         for work in works:
             while not work.is_completed():
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"timed out after {self.mesh.timeout:g} s")
                 time.sleep(0.0002)
 
-    @contextlib.contextmanager
-    def _receiving(self, src: int, message: Message) -> Iterator[None]:
+    def _receiving(self, src: int, message: Message) -> ContextManager[None]:
         """Say what this rank was waiting for, from whom and for which action, when a wait
         fails."""
         peer = self.mesh.global_rank(src)
+        return self._naming(peer, lambda: f"rank {self.mesh.rank} was receiving {message} "
+                                          f"from rank {peer}, which "
+                                          f"{self.needed_by[message]} needs")
+
+    def _sending(self, dst: int, message: Message) -> ContextManager[None]:
+        peer = self.mesh.global_rank(dst)
+        return self._naming(peer, lambda: f"rank {self.mesh.rank} was sending {message} to "
+                                          f"rank {peer}")
+
+    @contextlib.contextmanager
+    def _naming(self, peer: int, doing: Callable[[], str]) -> Iterator[None]:
         try:
             yield
         except ProtocolError:
             raise
         except RuntimeError as exc:
-            doing = (f"rank {self.mesh.rank} was receiving {message} from rank {peer}, "
-                     f"which {self.needed_by[message]} needs")
             if connection_closed(exc):
-                raise RankLost(peer, doing) from exc
-            exc.add_note(f"{doing} (waits time out after {self.mesh.timeout:g} s)")
-            raise
-
-    @contextlib.contextmanager
-    def _sending(self, dst: int, message: Message) -> Iterator[None]:
-        peer = self.mesh.global_rank(dst)
-        try:
-            yield
-        except RuntimeError as exc:
-            doing = f"rank {self.mesh.rank} was sending {message} to rank {peer}"
-            if connection_closed(exc):
-                raise RankLost(peer, doing) from exc
-            exc.add_note(f"{doing} (waits time out after {self.mesh.timeout:g} s)")
+                raise RankLost(peer, doing()) from exc
+            exc.add_note(f"{doing()} (waits time out after {self.mesh.timeout:g} s)")
             raise
 
     def input_note(self, receive: Receive, value: Any) -> str:
@@ -389,12 +386,13 @@ class PointToPoint:
     def finish_step(self) -> None:
         """Wait on the host until this step's messages have gone (and, on NCCL, arrived),
         naming the first that did not within the timeout."""
+        deadline = time.monotonic() + self.mesh.timeout
         for work, _, peer, message in self.sending:
             with self._sending(peer, message):
-                self._wait_on_host([work])
+                self._wait_on_host([work], deadline)
         for work, peer, message in self.receiving:
             with self._receiving(peer, message):
-                self._wait_on_host([work])
+                self._wait_on_host([work], deadline)
         self.sending.clear()
         self.receiving.clear()
 
