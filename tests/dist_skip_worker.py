@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import sys
 import time
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from pipeline_lib.distributed.job import process_group
 from pipeline_lib.distributed.mesh import init_mesh
 from pipeline_lib.schedules import stages_per_rank
 from dist_worker import Hiccup
+from host_sync import HostSyncs
 from workloads import PopMul, Stash
 
 ROWS, WIDTH, MICROBATCHES, STALL = 12, 6, 4, 90.0
@@ -96,38 +96,6 @@ def run_skips(out: Path) -> None:
                    out / f"skips-{name}-rank{mesh.rank}.pt")
 
 
-class HostReads:
-    """Counts the calls that read a tensor's value on the host (on a GPU each waits for
-    the device), by the pipeline_lib file that made them."""
-
-    READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
-
-    def __init__(self) -> None:
-        self.counts: collections.Counter[str] = collections.Counter()
-        self.saved = {name: getattr(torch.Tensor, name) for name in self.READS}
-
-    def _counted(self, name: str):
-        original = self.saved[name]
-
-        def read(tensor, *args, **kwargs):
-            frame = sys._getframe(1)
-            while frame and "pipeline_lib" not in frame.f_code.co_filename:
-                frame = frame.f_back
-            where = frame.f_code.co_filename.split("pipeline_lib/")[-1] if frame else "?"
-            self.counts[f"{where}:{name}"] += 1
-            return original(tensor, *args, **kwargs)
-        return read
-
-    def __enter__(self) -> HostReads:
-        for name in self.READS:
-            setattr(torch.Tensor, name, self._counted(name))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name, original in self.saved.items():
-            setattr(torch.Tensor, name, original)
-
-
 def run_hostreads(out: Path) -> None:
     pp = torch.distributed.get_world_size()
     mesh = init_mesh(pp, timeout=60)
@@ -137,9 +105,11 @@ def run_hostreads(out: Path) -> None:
         for m in (2, 4):
             pipe = DistributedPipe(skip_model(), mesh, balance(name, pp), m, name)
             pipe.step(inputs, target, F.mse_loss)   # agrees the messages' layouts
-            with HostReads() as reads:
+            with HostSyncs() as syncs:
                 pipe.step(inputs, target, F.mse_loss)
-            counted[(name, m)] = dict(reads.counts)
+            # gloo's receives wait on the host by design (NCCL's only on the stream)
+            counted[(name, m)] = dict(collections.Counter(
+                call.site for call in syncs.calls if call.kind != "Work.wait"))
     torch.save(counted, out / f"hostreads-rank{mesh.rank}.pt")
 
 
