@@ -212,6 +212,11 @@ class DistributedPipe:
         on the ranks holding the last stage, None on the others. Inputs, targets and the
         activations between stages may be trees (see `microbatch.split`), and ``loss_fn``
         may return a mean or a ``SumCount(loss_sum, count)`` (see `pipeline_lib.loss`).
+        An input tensor that requires grad gets its ``.grad`` where stage 0 runs: on each
+        replica's rank holding stage 0, the batch loss's gradient for the replica's rows
+        (zeros in the others' rows: the replicas' ``x.grad`` add up to the unpipelined
+        model's; all-reduce them over ``mesh.dp_group`` for the whole); on the other ranks
+        none is added.
 
         If the step fails on any rank, every rank raises (the others once that rank's
         process has ended, as `job.process_group` ends it) and ``.grad`` is left as it was."""
@@ -223,7 +228,7 @@ class DistributedPipe:
         last = schedule.stages - 1
         runners = make_runners({s: (module, mesh.device) for s, module in self.modules.items()},
                                last, self.checkpoint, schedule.microbatches, step_seed,
-                               loss_fn, weights, rng=owned_rng)
+                               loss_fn, weights, rng=owned_rng, inputs=inputs)
 
         def run() -> tuple[Tensor | None, float]:
             self.transport.start_step(key)
@@ -238,7 +243,10 @@ class DistributedPipe:
                 finally:
                     self.events = stopwatch.events()
             self.transport.finish_step()
-            return self._loss(runners.get(last))
+            loss, scale = self._loss(runners.get(last))
+            if 0 in runners:   # DDP averaged the replicas' sums, which x.grad skips
+                runners[0].backward_into_caller(scale / mesh.dp)
+            return loss, scale
 
         return train_step(self.parameters(), run)
 

@@ -248,7 +248,8 @@ class Pipe(nn.Module):
         mean-reduced scalar or a ``SumCount(loss_sum, count)`` (see `pipeline_lib.loss`);
         parameter gradients accumulate as ``loss.backward()`` of the whole batch's loss
         would add them (mean, or Σ loss_sum / Σ count), and that loss is returned,
-        detached. If the step fails or is interrupted, ``.grad`` is left as it was, and
+        detached; an input tensor that requires grad gets the loss's gradient too (and
+        what it was computed from). If the step fails or is interrupted, ``.grad`` is left as it was, and
         every stage thread has stopped when it raises; an interrupt that comes while the
         step commits its gradients is raised once they are in: the step then counts.
         One step at a time per Pipe: a second call while one runs (from another thread)
@@ -265,11 +266,13 @@ class Pipe(nn.Module):
         plan = self._schedule(schedule, m)
         runners = make_runners({s: (self.partitions[s], self.devices[s]) for s in range(n)},
                                n - 1, self.checkpoint, m, new_step_seed(), loss_fn,
-                               weights, rng=streams_for(plan.ranks))
+                               weights, rng=streams_for(plan.ranks), inputs=inputs)
 
         def run() -> tuple[Tensor, float]:
             self._run(plan.actions, runners, micro_in, micro_target, plan.name)
-            return batch_loss([runners[n - 1].losses[i] for i in range(m)])
+            loss, scale = batch_loss([runners[n - 1].losses[i] for i in range(m)])
+            runners[0].backward_into_caller(scale)
+            return loss, scale
 
         return train_step(self.parameters(), run, StepGradients)
 
