@@ -32,7 +32,7 @@ from pipeline_lib.threaded.threads import InProcess, Mailbox, run_threads
 from pipeline_lib.timeline import Timeline
 
 
-_claims = threading.Lock()   # guards every Pipe's ``_stepping`` flag
+_claims = threading.Condition()   # guards every Pipe's ``_stepping`` and ``_backwards``
 
 
 def _training(stage: nn.Module) -> bool:
@@ -109,6 +109,7 @@ class Pipe(nn.Module):
         self.partitions = nn.ModuleList(s.to(d) for s, d in zip(stages, self.devices))
         self.timeline: Timeline | None = None
         self._stepping = False   # a step is running (see `_one_step_at_a_time`)
+        self._backwards = 0      # stage backwards of pipe(x) running (see `_between_steps`)
 
     def __len__(self) -> int:
         return len(self.partitions)
@@ -194,7 +195,7 @@ class Pipe(nn.Module):
                                input_as_given=s == 0 and not wants_input_grads)
                    for s in range(n)]
         outputs: dict[int, Any] = {}
-        stages = {s: _Autograd(runners[s], modes, outputs if s == n - 1 else None)
+        stages = {s: _Autograd(runners[s], modes, outputs if s == n - 1 else None, self)
                   for s in range(n)}
         programs = [[Action(s, "F", i) for i in range(m)] for s in range(n)]
         self._run(programs, stages, micro, [None] * m, "forward")
@@ -222,10 +223,14 @@ class Pipe(nn.Module):
         Each step sets ``.grad`` aside, lets its stages add into it and scales what they
         added (`StepGradients`): two at once would take each other's gradients aside and
         scale them, a silently wrong result. The flag, not a lock held over the step, so
-        that a Pipe stays a plain object (``copy.deepcopy``, ``torch.save``)."""
+        that a Pipe stays a plain object (``copy.deepcopy``, ``torch.save``). A backward
+        of ``pipe(x)`` from another thread is not refused but kept out of the step: the
+        step waits for the running ones, and they wait for the step (`_between_steps`),
+        so that their gradients are added as they are, not scaled as the step's."""
         claimed = False
         try:
             with _claims:
+                _claims.wait_for(lambda: not self._backwards)
                 if self._stepping:
                     raise RuntimeError(
                         "Pipe.step was called while another step is running on this Pipe "
@@ -237,7 +242,24 @@ class Pipe(nn.Module):
             yield
         finally:
             if claimed:
-                self._stepping = False
+                with _claims:
+                    self._stepping = False
+                    _claims.notify_all()
+
+    @contextlib.contextmanager
+    def _between_steps(self) -> Iterator[None]:
+        """A stage backward of ``pipe(x)`` runs between steps: while a step runs, it
+        waits for it to end (the step sets ``.grad`` aside and scales what is added to
+        it, see `_one_step_at_a_time`), and a step waits for it to end."""
+        with _claims:
+            _claims.wait_for(lambda: not self._stepping)
+            self._backwards += 1
+        try:
+            yield
+        finally:
+            with _claims:
+                self._backwards -= 1
+                _claims.notify_all()
 
     def step(self, inputs: Any, target: Any, loss_fn: LossFn,
              schedule: str | Schedule = "gpipe") -> Tensor:
@@ -283,14 +305,16 @@ class _Autograd:
     keeps its outputs in ``outputs``, for `gather`."""
 
     def __init__(self, runner: StageRunner, modes: ThreadState,
-                 outputs: dict[int, Any] | None):
+                 outputs: dict[int, Any] | None, pipe: Pipe):
         self.runner, self.device, self.modes, self.outputs = runner, runner.device, modes, outputs
+        self.pipe = pipe
         self.stashed: dict[int, dict[SkipKey, Tensor]] = {}
 
     def forward(self, microbatch: int, x: Any, target: Any = None,
                 skips: Mapping[SkipKey, Tensor] | None = None) -> Any:
         y, self.stashed[microbatch] = _StageFunction.run(self.runner, microbatch, x,
-                                                         dict(skips or {}), self.modes)
+                                                         dict(skips or {}), self.modes,
+                                                         self.pipe)
         if self.outputs is not None:
             self.outputs[microbatch] = y
         return y
@@ -307,10 +331,11 @@ class _StageFunction(torch.autograd.Function):
 
     @staticmethod
     def run(runner: StageRunner, microbatch: int, x: Any, skips: dict[SkipKey, Tensor],
-            modes: ThreadState) -> tuple[Any, dict[SkipKey, Tensor]]:
+            modes: ThreadState, pipe: Pipe) -> tuple[Any, dict[SkipKey, Tensor]]:
         """The stage's output and stashed tensors, connected to autograd if it is on.
         ``modes``: the caller's, whose autocast a checkpointed forward is replayed under
-        (autograd calls the backward on any thread, outside the caller's block)."""
+        (autograd calls the backward on any thread, outside the caller's block); the
+        backward runs between ``pipe``'s steps."""
         y = runner.forward(microbatch, x, skips=skips)
         stashed = runner.take_stashed(microbatch)
         if not torch.is_grad_enabled():
@@ -323,17 +348,18 @@ class _StageFunction(torch.autograd.Function):
         stashed_tensors = {k: t for k, t in stashed.items() if isinstance(t, Tensor)}
         popped = [k for k, t in skips.items() if isinstance(t, Tensor)]
         flat = iter(_StageFunction.apply(runner, microbatch, x, y, stashed_tensors, popped,
-                                         modes, trains, *tree.tensors(x),
+                                         (modes, pipe), trains, *tree.tensors(x),
                                          *(skips[k] for k in popped)))
         y = tree.map_tensors(lambda _: next(flat), y)
         return y, {k: next(flat) if k in stashed_tensors else t for k, t in stashed.items()}
 
     @staticmethod
     def forward(ctx, runner: StageRunner, microbatch: int, x: Any, y: Any,
-                stashed: dict[SkipKey, Tensor], popped: list[SkipKey], modes: ThreadState,
-                trains: Tensor, *inputs: Tensor) -> tuple[Tensor, ...]:
+                stashed: dict[SkipKey, Tensor], popped: list[SkipKey],
+                context: tuple[ThreadState, Pipe], trains: Tensor,
+                *inputs: Tensor) -> tuple[Tensor, ...]:
         ctx.runner, ctx.microbatch, ctx.y, ctx.stash_keys = runner, microbatch, y, list(stashed)
-        ctx.popped, ctx.modes = popped, modes
+        ctx.popped, (ctx.modes, ctx.pipe) = popped, context
         ctx.x_is_tensor = [isinstance(leaf, Tensor) for leaf in tree.leaves(x)]
         ctx.set_materialize_grads(False)   # None, not zeros, for outputs left unused
         outputs = [t.detach() for t in tree.tensors(y) + list(stashed.values())]
@@ -347,7 +373,7 @@ class _StageFunction(torch.autograd.Function):
         grad_y = tree.map_leaves(lambda v: next(it) if isinstance(v, Tensor) else None, ctx.y)
         runner, i = ctx.runner, ctx.microbatch
         # autograd runs backwards with grad mode off; a replay needs it on
-        with torch.enable_grad(), ctx.modes.autocast_applied():
+        with ctx.pipe._between_steps(), torch.enable_grad(), ctx.modes.autocast_applied():
             grad_x = runner.backward(i, grad_y,
                                      skip_grads=dict(zip(ctx.stash_keys, grads[n:])))
         popped = runner.take_skip_grads(i)
