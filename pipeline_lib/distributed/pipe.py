@@ -96,9 +96,10 @@ that is refused when the pipe is built (`check_no_weight_shared_across_ranks`).
 The same batch on every rank
 ----------------------------
 Each step's first collective, the all-reduce that shares the step's seed, also compares
-every rank's batch shapes and step number: one rank given a batch of other shapes, or a
-step behind, makes every rank raise, naming it. (The values are not compared: that would
-cost a pass over the batch.)
+every rank's batch shapes, values and step number: one rank given a batch of other
+shapes or values (other targets, rows in another order), or a step behind, makes every
+rank raise, naming it. The values are compared by a fingerprint (`_fingerprint`), one
+pass over the batch's tensors where they are, read with the all-reduce's one read.
 
 Timelines
 ---------
@@ -264,11 +265,13 @@ class DistributedPipe:
         self.steps += 1
         key = batch_key(_shapes(inputs), _shapes(target))
         seed = new_step_seed() if mesh.rank == 0 else -1
-        sent = torch.tensor([seed, key, -key, self.steps, -self.steps], dtype=torch.int64,
-                            device=mesh.device)
+        values = _fingerprint((inputs, target), mesh.device)
+        sent = torch.cat([torch.tensor([seed, key, -key, self.steps, -self.steps],
+                                       dtype=torch.int64, device=mesh.device),
+                          torch.stack([values, -values])])
         dist.all_reduce(sent, op=dist.ReduceOp.MAX)
-        step_seed, most_key, least_key, most_steps, least_steps = sent.tolist()
-        if most_key != -least_key or most_steps != -least_steps:
+        step_seed, most_key, least_key, most_steps, least_steps, most, least = sent.tolist()
+        if most_key != -least_key or most_steps != -least_steps or most != -least:
             self._disagreement(inputs, target)
         if mesh.replica > 0:
             step_seed = seed_for(step_seed, -1, mesh.replica)
@@ -277,17 +280,20 @@ class DistributedPipe:
     def _disagreement(self, inputs: Any, target: Any) -> NoReturn:
         """Raise on every rank, naming the ranks whose batch or step number differ from
         rank 0's (every rank calls this: all saw the same all-reduce)."""
-        mine = (self.steps, describe_tensors(_shapes(inputs)), describe_tensors(_shapes(target)))
-        seen: list[tuple[int, str, str] | None] = [None] * dist.get_world_size()
+        device = self.mesh.device
+        mine = (self.steps, describe_tensors(_shapes(inputs)), describe_tensors(_shapes(target)),
+                _fingerprint(inputs, device).item(), _fingerprint(target, device).item())
+        seen: list[tuple[int, str, str, int, int] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(seen, mine)
         said = [f"rank {r} is at step {steps} with inputs {x} and target {y}"
-                for r, (steps, x, y) in enumerate(seen)
-                if r == 0 or (steps, x, y) != seen[0]]
+                + "".join(f", {what} values other than rank 0's" for what, k in
+                          (("input", 3), ("target", 4)) if r and seen[r][k] != seen[0][k])
+                for r, (steps, x, y, *_) in enumerate(seen) if r == 0 or seen[r] != seen[0]]
         raise ValueError(f"the ranks were given different batches or are at different steps: "
                          f"{'; '.join(said)}. Every rank must call step the same number of "
-                         f"times with the same global batch (each replica takes its slice; "
-                         f"a DistributedSampler that gives each rank its own rows is not "
-                         f"what DistributedPipe needs)")
+                         f"times with the same global batch, shapes and values (each replica "
+                         f"takes its slice; a DistributedSampler that gives each rank its own "
+                         f"rows is not what DistributedPipe needs)")
 
     def _armed(self, action: Action) -> ContextManager[None]:
         """The block an action's backward runs in: DDP's all-reduce armed for the stage's
@@ -444,6 +450,30 @@ def _shapes(batch: Any) -> tuple[Any, ...]:
     `batch_key` read (the shape of a NoChunk mask matters as much as the others')."""
     return tuple(leaf.tensor if isinstance(leaf, NoChunk) else leaf
                  for leaf in tree.leaves(batch))
+
+
+def _fingerprint(batch: Any, device: torch.device) -> Tensor:
+    """A number (int64, 0-dim, on ``device``) that every value of the batch's tensors and
+    its position change: Σ bits(v_ij)·(1 + i·C + j) over each tensor seen as rows × C
+    columns, from its row and column sums. On the values' bit patterns, in integers, so
+    that it is exact and the same whatever order a device adds in; computed where the
+    tensors are, without reading them to the host."""
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for t in tree.tensors(_shapes(batch)):
+        t = t.detach()
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        if t.is_floating_point() or t.dtype == torch.bool:
+            t = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                        8: torch.int64}[t.element_size()])
+        rows = t.shape[0] if t.dim() else 1
+        columns = t.numel() // rows if rows else 0
+        grid = t.reshape(rows, columns)
+        by_row, by_column = grid.sum(1, dtype=torch.int64), grid.sum(0, dtype=torch.int64)
+        mixed = (by_row.sum() + columns * (by_row * torch.arange(rows, device=t.device)).sum()
+                 + (by_column * torch.arange(columns, device=t.device)).sum())
+        total = total * 1_000_003 + mixed.to(device)
+    return total & (2**62 - 1)   # its negative fits in an int64 too
 
 
 class PointToPoint:
