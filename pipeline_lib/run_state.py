@@ -7,13 +7,26 @@ model's state dict. On disk::
 
     DIR/latest                      the name of the newest complete step folder
     DIR/step-000100/stage-3.pt      stage 3's weights and its parameters' optimizer state
-    DIR/step-000100/run.pt          the step, the random state, optimizer settings
+    DIR/step-000100/run.pt          the step, the random state, the optimizer's class
     DIR/.lock                       held by the run saving here (`claimed`), if any
 
 Each stage's file is written by replica 0's rank holding it (the replicas hold equal
 copies), through a temporary file and ``os.replace``; ``latest`` moves to the new folder
 only after every rank has written, so a run killed mid-save resumes from the last
-complete checkpoint, never from a mix of two steps.
+complete checkpoint, never from a mix of two steps. What a killed save left (temporary
+files, a step folder ``latest`` never named) goes at the next save.
+
+A checkpoint is never replaced by one that cannot be trained on: a save whose weights or
+optimizer state hold a NaN or an infinity (a run that diverged) is refused on every rank,
+and ``latest`` keeps naming the last good one. So is an optimizer holding parameters that
+are not the pipe's: their values and state would not be saved.
+
+The optimizer keeps the settings the resuming run gave it (learning rate, weight decay,
+per group, per rank: ranks may build their groups differently); the checkpoint restores
+each parameter's state (Adam's moments and step count). `torch.optim.Optimizer`'s own
+``load_state_dict`` restores the saved settings too, but those are per group, and the
+groups of a rank depend on the layout, which a resume may change; and a learning rate
+is usually set by the run's schedule, step by step, anyway.
 
 Resuming continues *exactly* (same losses, bit for bit) when the arithmetic of a step does
 not depend on the layout: the same replica count (``dp``), micro-batches per replica and no
@@ -25,10 +38,12 @@ another order: equal within float rounding.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import numbers
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -42,6 +57,7 @@ from pipeline_lib.distributed.pipe import DistributedPipe
 LATEST = "latest"
 RUN = "run.pt"
 LOCK = ".lock"
+PART = ".part"   # the end of a file being written
 _STEP_FOLDER = re.compile(r"step-\d{6,}")
 
 
@@ -71,10 +87,22 @@ def _unwrapped(module: nn.Module) -> nn.Module:
 
 
 def _write_atomically(obj: Any, path: Path) -> None:
-    partial = path.with_name(f".{path.name}.{os.getpid()}.part")
+    """``torch.save`` into a temporary file beside ``path``, then renamed over it. Saved
+    through a Python file, so that a full disk is the OSError it is (given a path,
+    torch.save says "enforce fail at inline_container.cc ... unexpected pos")."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}{PART}")
     try:
-        torch.save(obj, partial)
+        with partial.open("wb") as file:
+            torch.save(obj, file)
         os.replace(partial, path)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        free = shutil.disk_usage(path.parent).free
+        raise OSError(exc.errno, f"no space left to save {path} (the disk is full or "
+                      f"over quota: {free / 2**20:,.0f} MiB free there); free some space or "
+                      f"save into a folder on another disk. The newest complete "
+                      f"checkpoint in {path.parent.parent} is unchanged") from exc
     finally:
         partial.unlink(missing_ok=True)
 
@@ -96,6 +124,11 @@ def save(folder: str | Path, step: int, pipe: DistributedPipe, balance: Sequence
     folder = Path(folder)
     target = folder / f"step-{step:06d}"
     mesh = pipe.mesh
+    names = full_names(pipe, balance)
+    parts = {s: _stage_part(pipe, names[s], s, optimizer) for s in pipe.modules} \
+        if mesh.replica == 0 else {}
+    _agree_everywhere(pipe, _outside_the_pipe(pipe, optimizer, "saved")
+                      or _nonfinite(parts, step, folder))
     if mesh.rank == 0:
         try:
             target.mkdir(parents=True, exist_ok=True)
@@ -105,40 +138,89 @@ def save(folder: str | Path, step: int, pipe: DistributedPipe, balance: Sequence
                                      f"a folder; give a folder's path (a new one is "
                                      f"created)") from None
     dist.barrier()
-    if mesh.replica == 0:
-        names = full_names(pipe, balance)
-        by_id = _param_names(pipe, balance)
-        state = optimizer.state
-        for s, module in pipe.modules.items():
-            weights = {names[s][k]: t.detach().cpu()
-                       for k, t in _unwrapped(module).state_dict().items()}
-            moments = {by_id[id(p)]: {k: v.detach().cpu() if isinstance(v, Tensor) else v
-                                      for k, v in state[p].items()}
-                       for p in _unwrapped(module).parameters() if p in state}
-            _write_atomically({"weights": weights, "optimizer": moments},
-                              target / _stage_file(s))
+    for s, part in parts.items():
+        _write_atomically(part, target / _stage_file(s))
     if mesh.rank == 0:
-        groups = [{k: v for k, v in g.items() if k != "params"}
-                  for g in optimizer.param_groups]
-        _write_atomically({"step": step, "rng": torch.get_rng_state(), "groups": groups,
+        _write_atomically({"step": step, "rng": torch.get_rng_state(),
                            "stages": pipe.schedule.stages,
                            "optimizer": type(optimizer).__name__}, target / RUN)
     dist.barrier()   # every stage written: only now may `latest` point here
     if mesh.rank == 0:
-        previous = _latest(folder, missing_ok=True)
-        latest = folder / f".{LATEST}.part"
+        latest = folder / f".{LATEST}{PART}"
         latest.write_text(target.name)
         os.replace(latest, folder / LATEST)
-        if previous is not None and previous != target:
-            _remove_step_folder(previous)
+        for old in folder.iterdir():   # the one it replaces, and any a killed save left
+            if old != target and _STEP_FOLDER.fullmatch(old.name) and old.is_dir():
+                _remove_step_folder(old)
     return target
 
 
+def _stage_part(pipe: DistributedPipe, names: dict[str, str], stage: int,
+                optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
+    """What stage ``stage``'s file holds: its weights and its parameters' optimizer
+    state, copied to the CPU, by the unpipelined model's names."""
+    module = _unwrapped(pipe.modules[stage])
+    weights = {names[k]: t.detach().cpu() for k, t in module.state_dict().items()}
+    moments = {names[k]: {key: v.detach().cpu() if isinstance(v, Tensor) else v
+                          for key, v in optimizer.state[p].items()}
+               for k, p in module.named_parameters() if p in optimizer.state}
+    return {"weights": weights, "optimizer": moments}
+
+
+def _nonfinite(parts: dict[int, dict[str, dict[str, Any]]], step: int,
+               folder: Path) -> str | None:
+    """What in this rank's part of a checkpoint is NaN or infinite, if anything: such a
+    checkpoint would only resume a diverged run, so it must not replace a good one."""
+    bad = [name for part in parts.values() for name, t in part["weights"].items()
+           if t.is_floating_point() and not bool(t.isfinite().all())]
+    bad += [f"{name} ({key})" for part in parts.values()
+            for name, state in part["optimizer"].items() for key, t in state.items()
+            if isinstance(t, Tensor) and t.is_floating_point()
+            and not bool(t.isfinite().all())]
+    if not bad:
+        return None
+    return (f"the weights or optimizer state after step {step} hold NaN or inf values "
+            f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}): the run has diverged, "
+            f"and saving would replace the last good checkpoint in {folder}, which is "
+            f"kept. Resume from it with a lower learning rate (or clip the gradients)")
+
+
+def _outside_the_pipe(pipe: DistributedPipe, optimizer: torch.optim.Optimizer,
+                      what: str) -> str | None:
+    """The optimizer's parameters that are not this rank's stages', if any: run_state
+    saves and restores only the pipe's."""
+    mine = {id(p) for p in pipe.parameters()}
+    outside = [p for group in optimizer.param_groups for p in group["params"]
+               if id(p) not in mine]
+    if not outside:
+        return None
+    return (f"the optimizer holds {len(outside)} parameter(s) that are not the pipe's "
+            f"(shapes {[list(p.shape) for p in outside][:3]}): their values and optimizer "
+            f"state cannot be {what} with the pipe's stages. Give the optimizer "
+            f"pipe.parameters() only, and save the others yourself (or make them a layer "
+            f"of the model)")
+
+
+def _agree_everywhere(pipe: DistributedPipe, problem: str | None) -> None:
+    """Raise on every rank if ``problem`` is set on any: one all-reduce, and, only when
+    some rank has one, the ranks' messages, so that all of them say the same."""
+    flag = torch.tensor([problem is not None], dtype=torch.int64, device=pipe.mesh.device)
+    dist.all_reduce(flag)
+    if not flag.item():
+        return
+    said: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(said, problem)
+    raise ValueError("; ".join(f"rank {r}: {p}" for r, p in enumerate(said) if p))
+
+
 def _remove_step_folder(step_folder: Path) -> None:
-    """Delete a superseded step folder: only the files `save` writes, and the folder if
-    that empties it. Whatever else is there is someone's (a learner's notes), and the new
-    checkpoint is already complete, so a file that will not go is left, not raised."""
-    for name in [RUN, *(p.name for p in step_folder.glob("stage-*.pt"))]:
+    """Delete a superseded step folder: only the files `save` writes (and their
+    temporary files, which a killed save leaves), and the folder if that empties it.
+    Whatever else is there is someone's (a learner's notes), and the new checkpoint is
+    already complete, so a file that will not go is left, not raised."""
+    ours = [RUN, *(p.name for p in step_folder.glob("stage-*.pt")),
+            *(p.name for p in step_folder.glob(f".*{PART}"))]
+    for name in ours:
         try:
             (step_folder / name).unlink(missing_ok=True)
         except OSError:
@@ -232,7 +314,12 @@ def resume(folder: str | Path, pipe: DistributedPipe, balance: Sequence[int],
            optimizer: torch.optim.Optimizer) -> int:
     """Load the newest checkpoint in ``folder`` into this rank's stages, its optimizer and
     the random generator; return the number of steps it had run. The layout (pp, dp,
-    balance, schedule) may differ from the saved run's; the model may not."""
+    balance, schedule) may differ from the saved run's; the model may not. The optimizer
+    gets each parameter's saved state and keeps its own settings (lr, weight decay, its
+    groups): see the module's docstring."""
+    outside = _outside_the_pipe(pipe, optimizer, "restored")
+    if outside:
+        raise ValueError(outside)
     run, weights, moments = _read(folder)
     names = full_names(pipe, balance)
     another = (f"it was saved from another model; resume with the same --preset and "
@@ -265,18 +352,16 @@ def resume(folder: str | Path, pipe: DistributedPipe, balance: Sequence[int],
                          f"settings, and this run's optimizer is "
                          f"{type(optimizer).__name__}: resume with {saved_optimizer}")
     by_id = _param_names(pipe, balance)
-    if len(run["groups"]) != len(optimizer.param_groups):
-        raise ValueError(f"the checkpoint's optimizer had {len(run['groups'])} parameter "
-                         f"groups, this one has {len(optimizer.param_groups)}")
     state, groups, index = {}, [], 0
-    for saved, group in zip(run["groups"], optimizer.param_groups):
+    for group in optimizer.param_groups:   # its own settings, the saved state
         indices = []
         for p in group["params"]:
             if by_id[id(p)] in moments:
                 state[index] = moments[by_id[id(p)]]
             indices.append(index)
             index += 1
-        groups.append({**saved, "params": indices})
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": indices})
     optimizer.load_state_dict({"state": state, "param_groups": groups})
     torch.set_rng_state(run["rng"])
     return run["step"]
