@@ -12,7 +12,6 @@ on two replicas).
 from __future__ import annotations
 
 import copy
-import socket
 
 import pytest
 import torch
@@ -120,31 +119,14 @@ def test_every_input_tensor_that_requires_grad_gets_it_nochunk_included():
     assert frozen.grad is None
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    """A one-process gloo job: a `DistributedPipe` whose one rank holds every stage."""
-    import torch.distributed as dist
-
-    from pipeline_lib.distributed import init_mesh
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1)
-    try:
-        yield init_mesh(1, 1, 30)
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("loss", sorted(LOSSES))
 @pytest.mark.parametrize("name", ["1f1b", "zb_h1", "interleaved_1f1b", "zb_v", "dualpipe_v"])
-def test_distributed_pipe_step_gives_the_input_its_gradient(one_rank, name, loss):
+def test_distributed_pipe_step_gives_the_input_its_gradient(one_rank_mesh, name, loss):
     from pipeline_lib.distributed import DistributedPipe
     stages = stages_per_rank(name)
     x, y = data()
     want_x, want = plain_grads(stages, LOSSES[loss], x, y)
-    pipe = DistributedPipe(model(stages), one_rank, [1] * stages, MICROBATCHES, name)
+    pipe = DistributedPipe(model(stages), one_rank_mesh, [1] * stages, MICROBATCHES, name)
     x.requires_grad_()
     pipe.step(x, y, LOSSES[loss])
     torch.testing.assert_close(x.grad, want_x)
