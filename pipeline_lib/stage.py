@@ -249,14 +249,27 @@ class StageRunner:
                                       if t.requires_grad]
 
     def backward(self, microbatch: int, grad: Any = None,
-                 skip_grads: Mapping[SkipKey, Tensor | None] | None = None) -> Any:
-        """Full backward (B): weight gradients accumulate, input gradients are returned."""
+                 skip_grads: Mapping[SkipKey, Tensor | None] | None = None,
+                 into: dict[Tensor, Tensor] | None = None) -> Any:
+        """Full backward (B): weight gradients accumulate, input gradients are returned.
+        ``into``: the weight gradients are added there (by parameter) instead of into
+        ``.grad``, for a backward that must leave ``.grad`` alone."""
         outputs, grads = self._pairs(microbatch, grad, skip_grads)
         leaves, skip_leaves = self._leaves(microbatch), self._skip_leaves(microbatch)
-        if outputs:
-            torch.autograd.backward(outputs, grads)
-        return self._input_grads(microbatch, [t.grad for t in leaves],
-                                 {key: t.grad for key, t in skip_leaves.items()})
+        if into is None:
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+            return self._input_grads(microbatch, [t.grad for t in leaves],
+                                     {key: t.grad for key, t in skip_leaves.items()})
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        wanted = leaves + list(skip_leaves.values()) + params
+        found = list(torch.autograd.grad(outputs, wanted, grads, allow_unused=True)) \
+            if outputs and wanted else [None] * len(wanted)
+        for p, g in zip(params, found[len(wanted) - len(params):]):
+            if g is not None:
+                into[p] = into[p] + g if p in into else g
+        return self._input_grads(microbatch, found[:len(leaves)],
+                                 dict(zip(skip_leaves, found[len(leaves):])))
 
     def backward_input(self, microbatch: int, grad: Any = None,
                        skip_grads: Mapping[SkipKey, Tensor | None] | None = None) -> Any:

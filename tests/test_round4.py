@@ -62,6 +62,31 @@ def test_a_backward_of_pipe_x_during_a_sum_count_step_is_not_scaled_by_its_count
         torch.testing.assert_close(p.grad, q.grad)
 
 
+
+def test_a_backward_of_pipe_x_inside_the_steps_loss_fn_neither_hangs_nor_is_scaled():
+    """Its stage backwards run on a step's thread (on a GPU, on the device's autograd
+    thread, which the step's own backwards need): waiting there for the step to end
+    would never end. Its gradients are held and added, unscaled, when the step ends."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    plain = copy.deepcopy(layers)
+    aside, x, y = torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4)
+    (plain(aside).sum() + F.mse_loss(plain(x), y, reduction="sum") / y.numel()).backward()
+    pipe = Pipe(layers, chunks=2, balance=[2, 1])
+    pending = [pipe(aside).sum()]
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> SumCount:
+        if pending:
+            pending.pop().backward()
+        return sum_count(out, target)
+
+    stepping = threading.Thread(target=pipe.step, args=(x, y, loss_fn, "1f1b"), daemon=True)
+    stepping.start()
+    stepping.join(60)
+    assert not stepping.is_alive(), "the step hangs"
+    for p, q in zip(pipe.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
 # -- two processes: one torchrun launch for all of them --------------------------------
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from pipeline_lib.threaded.threads import InProcess, Mailbox, run_threads
 from pipeline_lib.timeline import Timeline
 
 
-_claims = threading.Condition()   # guards every Pipe's ``_stepping`` and ``_backwards``
+_claims = threading.Condition()   # guards every Pipe's ``_stepping``, ``_backwards``, ``_held``
 
 
 def _training(stage: nn.Module) -> bool:
@@ -109,7 +109,8 @@ class Pipe(nn.Module):
         self.partitions = nn.ModuleList(s.to(d) for s, d in zip(stages, self.devices))
         self.timeline: Timeline | None = None
         self._stepping = False   # a step is running (see `_one_step_at_a_time`)
-        self._backwards = 0      # stage backwards of pipe(x) running (see `_between_steps`)
+        self._backwards = 0      # backwards of pipe(x) adding into .grad (`_outside_steps`)
+        self._held: dict[Tensor, Tensor] = {}   # their gradients during a step, added after
 
     def __len__(self) -> int:
         return len(self.partitions)
@@ -224,9 +225,9 @@ class Pipe(nn.Module):
         added (`StepGradients`): two at once would take each other's gradients aside and
         scale them, a silently wrong result. The flag, not a lock held over the step, so
         that a Pipe stays a plain object (``copy.deepcopy``, ``torch.save``). A backward
-        of ``pipe(x)`` from another thread is not refused but kept out of the step: the
-        step waits for the running ones, and they wait for the step (`_between_steps`),
-        so that their gradients are added as they are, not scaled as the step's."""
+        of ``pipe(x)`` (from another thread, or from ``loss_fn``) is kept out of the
+        step's gradients instead (`_outside_steps`): the step waits for those adding
+        into ``.grad`` to end, and adds what those it held computed when it ends."""
         claimed = False
         try:
             with _claims:
@@ -244,18 +245,45 @@ class Pipe(nn.Module):
             if claimed:
                 with _claims:
                     self._stepping = False
-                    _claims.notify_all()
+                    held, self._held = self._held, {}
+                self._add_to_grads(held)
 
     @contextlib.contextmanager
-    def _between_steps(self) -> Iterator[None]:
-        """A stage backward of ``pipe(x)`` runs between steps: while a step runs, it
-        waits for it to end (the step sets ``.grad`` aside and scales what is added to
-        it, see `_one_step_at_a_time`), and a step waits for it to end."""
+    def _outside_steps(self) -> Iterator[dict[Tensor, Tensor] | None]:
+        """Where a stage backward of ``pipe(x)`` puts its weight gradients: None, into
+        ``.grad``, when no step runs (a step starting meanwhile waits for it); else a
+        dict, whose gradients are added to ``.grad`` once the step has ended, so that
+        the step does not scale them as its own. Nothing here waits for a step: on a
+        GPU, autograd runs this backward on the device's one thread, which the step's
+        own backwards need too."""
         with _claims:
-            _claims.wait_for(lambda: not self._stepping)
+            held = {} if self._stepping else None
+            if held is None:
+                self._backwards += 1
+        try:
+            yield held
+        finally:
+            if held is None:
+                with _claims:
+                    self._backwards -= 1
+                    _claims.notify_all()
+            else:
+                with _claims:
+                    if self._stepping:
+                        for p, g in held.items():
+                            self._held[p] = self._held[p] + g if p in self._held else g
+                        held = {}
+                self._add_to_grads(held)
+
+    def _add_to_grads(self, grads: dict[Tensor, Tensor]) -> None:
+        """Accumulate ``grads`` into ``.grad`` as autograd does (it holds each
+        parameter's lock), counted as a backward into ``.grad``: a step waits for it."""
+        if not grads:
+            return
+        with _claims:
             self._backwards += 1
         try:
-            yield
+            torch.autograd.backward(list(grads), list(grads.values()))
         finally:
             with _claims:
                 self._backwards -= 1
@@ -335,7 +363,7 @@ class _StageFunction(torch.autograd.Function):
         """The stage's output and stashed tensors, connected to autograd if it is on.
         ``modes``: the caller's, whose autocast a checkpointed forward is replayed under
         (autograd calls the backward on any thread, outside the caller's block); the
-        backward runs between ``pipe``'s steps."""
+        backward keeps its weight gradients out of a running step of ``pipe``."""
         y = runner.forward(microbatch, x, skips=skips)
         stashed = runner.take_stashed(microbatch)
         if not torch.is_grad_enabled():
@@ -373,9 +401,10 @@ class _StageFunction(torch.autograd.Function):
         grad_y = tree.map_leaves(lambda v: next(it) if isinstance(v, Tensor) else None, ctx.y)
         runner, i = ctx.runner, ctx.microbatch
         # autograd runs backwards with grad mode off; a replay needs it on
-        with ctx.pipe._between_steps(), torch.enable_grad(), ctx.modes.autocast_applied():
-            grad_x = runner.backward(i, grad_y,
-                                     skip_grads=dict(zip(ctx.stash_keys, grads[n:])))
+        with ctx.pipe._outside_steps() as held, torch.enable_grad(), \
+                ctx.modes.autocast_applied():
+            grad_x = runner.backward(i, grad_y, skip_grads=dict(zip(ctx.stash_keys, grads[n:])),
+                                     into=held)
         popped = runner.take_skip_grads(i)
         grad_x = [g for g, is_tensor in zip(tree.leaves(grad_x), ctx.x_is_tensor) if is_tensor] \
             if grad_x is not None else [None] * sum(ctx.x_is_tensor)
