@@ -324,28 +324,28 @@ def main(argv: list[str] | None = None) -> None:
         # replica 0's rank holding the last stage has the loss: the last rank on a looped
         # schedule, rank 0 on a V (zb_v, dualpipe_v)
         logger = pipe.schedule.rank_of(pipe.schedule.stages - 1)
-        batches = batch_starts(source, args.bptt, None)
-        starts = _epochs(batches, args.steps)
-        if done >= len(starts):
+        # step k's batch starts at column batches[(k - 1) % len(batches)]: past the end of
+        # the split, it goes round again (an epoch more), whatever --steps says
+        batches, steps = batch_starts(source, args.bptt, None), args.steps
+        if done >= steps:
             raise ValueError(f"the checkpoint in {args.resume} has run {done} steps already, "
-                             f"and this run has {len(starts)} (--steps {args.steps}): raise "
-                             f"--steps to go on")
+                             f"and this run has --steps {steps} in all: raise --steps to go on")
         if mesh.rank == logger:
             _log(f"{pipe.schedule.name}: {args.pp} pipeline ranks x {args.dp} replicas, "
                  f"stages {balance} (by {args.balance} on {mesh.device}), {args.microbatches} "
                  f"micro-batches, {args.dtype}, {parameters:,} parameters"
                  + (f", resumed after step {done}" if args.resume else ""))
-            if args.steps > len(batches):
-                _log(f"--steps {args.steps} goes {args.steps / len(batches):.2f} times over "
-                     f"the training data's {len(batches)} batches (epochs)")
+            if steps > len(batches):
+                _log(f"--steps {steps} goes {steps / len(batches):.2f} times over the "
+                     f"training data's {len(batches)} batches (epochs)")
         skipped = 0
-        bar = tqdm(range(done, len(starts)), desc="train", initial=done, total=len(starts),
+        bar = tqdm(range(done, steps), desc="train", initial=done, total=steps,
                    disable=mesh.rank != logger)
         for step in (i + 1 for i in bar):
-            lr = lr_at(step - 1, args.lr, args.warmup, len(starts), args.lr_floor)
+            lr = lr_at(step - 1, args.lr, args.warmup, steps, args.lr_floor)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            inputs, targets = get_batch(source, starts[step - 1], args.bptt)
+            inputs, targets = get_batch(source, batches[(step - 1) % len(batches)], args.bptt)
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             with precision():
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
             if mesh.device.type == "cuda":   # time the update's kernels, not their launch
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
-            last = step == len(starts)
+            last = step == steps
             if args.save and (last or (args.save_every and step % args.save_every == 0)):
                 run_state.save(args.save, step, pipe, balance, optimizer)
             if last or (args.eval_every and step % args.eval_every == 0):
@@ -381,12 +381,6 @@ def main(argv: list[str] | None = None) -> None:
                  f"{simulate_measured(pipe.schedule, timeline).bubble_fraction():.1%} simulated")
             if args.timeline:
                 _write_atomically(Path(args.timeline), json.dumps(timeline.to_dict()))
-
-
-def _epochs(starts: range, steps: int) -> list[int]:
-    """The start column of each of ``steps`` batches, going round the data again (another
-    epoch) when it has fewer: step k's batch does not depend on ``steps``."""
-    return [starts[k % len(starts)] for k in range(steps)]
 
 
 def _nonfinite(loss: torch.Tensor | None, norm: torch.Tensor | None,
