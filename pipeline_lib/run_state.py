@@ -45,7 +45,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,7 +68,14 @@ def _stage_file(stage: int) -> str:
 def full_names(pipe: DistributedPipe, balance: Sequence[int]) -> dict[int, dict[str, str]]:
     """Per stage this rank holds, its state-dict keys -> the unpipelined model's: stage
     ``s`` holds layers ``sum(balance[:s])`` onwards, its own layer ``j`` being the
-    model's layer ``sum(balance[:s]) + j``."""
+    model's layer ``sum(balance[:s]) + j``. ``balance`` must be the one the pipe was
+    built with, or the names would be other layers' (checked on this rank's stages)."""
+    held = {s: len(_unwrapped(module)) for s, module in pipe.modules.items()}
+    if len(balance) != pipe.schedule.stages or any(balance[s] != n for s, n in held.items()):
+        raise ValueError(f"balance {list(balance)} is not the one this pipe was built with "
+                         f"({pipe.schedule.stages} stages; here stage(s) "
+                         f"{', '.join(f'{s} hold(s) {n} layer(s)' for s, n in held.items())}): "
+                         f"pass DistributedPipe's own balance, which names each stage's layers")
     starts = list(itertools.accumulate(balance, initial=0))
     names = {}
     for s, module in pipe.modules.items():
@@ -87,13 +94,21 @@ def _unwrapped(module: nn.Module) -> nn.Module:
 
 
 def _write_atomically(obj: Any, path: Path) -> None:
-    """``torch.save`` into a temporary file beside ``path``, then renamed over it. Saved
-    through a Python file, so that a full disk is the OSError it is (given a path,
-    torch.save says "enforce fail at inline_container.cc ... unexpected pos")."""
+    """``torch.save`` into a temporary file beside ``path``, then renamed over it
+    (`_atomically`), through a Python file, so that a full disk is the OSError it is
+    (given a path, torch.save says "enforce fail at inline_container.cc ... unexpected
+    pos")."""
+    _atomically(path, lambda file: torch.save(obj, file))
+
+
+def _atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    """``write`` a temporary file beside ``path``, then rename it over ``path``: a kill or
+    a full disk mid-write leaves the file as it was. A full disk is named, with the file
+    and the space left."""
     partial = path.with_name(f".{path.name}.{os.getpid()}{PART}")
     try:
         with partial.open("wb") as file:
-            torch.save(obj, file)
+            write(file)
         os.replace(partial, path)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -125,10 +140,10 @@ def save(folder: str | Path, step: int, pipe: DistributedPipe, balance: Sequence
     target = folder / f"step-{step:06d}"
     mesh = pipe.mesh
     names = full_names(pipe, balance)
+    outside = _outside_the_pipe(pipe, optimizer, "saved")
     parts = {s: _stage_part(pipe, names[s], s, optimizer) for s in pipe.modules} \
         if mesh.replica == 0 else {}
-    _agree_everywhere(pipe, _outside_the_pipe(pipe, optimizer, "saved")
-                      or _nonfinite(parts, step, folder))
+    _agree_everywhere(pipe, outside or _nonfinite(parts, step, folder))
     if mesh.rank == 0:
         try:
             target.mkdir(parents=True, exist_ok=True)
@@ -146,9 +161,7 @@ def save(folder: str | Path, step: int, pipe: DistributedPipe, balance: Sequence
                            "optimizer": type(optimizer).__name__}, target / RUN)
     dist.barrier()   # every stage written: only now may `latest` point here
     if mesh.rank == 0:
-        latest = folder / f".{LATEST}{PART}"
-        latest.write_text(target.name)
-        os.replace(latest, folder / LATEST)
+        _atomically(folder / LATEST, lambda file: file.write(target.name.encode()))
         for old in folder.iterdir():   # the one it replaces, and any a killed save left
             if old != target and _STEP_FOLDER.fullmatch(old.name) and old.is_dir():
                 _remove_step_folder(old)
@@ -189,6 +202,9 @@ def _outside_the_pipe(pipe: DistributedPipe, optimizer: torch.optim.Optimizer,
                       what: str) -> str | None:
     """The optimizer's parameters that are not this rank's stages', if any: run_state
     saves and restores only the pipe's."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"run_state needs the run's optimizer (a torch.optim.Optimizer over "
+                        f"pipe.parameters()), got {type(optimizer).__name__}")
     mine = {id(p) for p in pipe.parameters()}
     outside = [p for group in optimizer.param_groups for p in group["params"]
                if id(p) not in mine]
@@ -205,7 +221,12 @@ def _agree_everywhere(pipe: DistributedPipe, problem: str | None) -> None:
     """Raise on every rank if ``problem`` is set on any: one all-reduce, and, only when
     some rank has one, the ranks' messages, so that all of them say the same."""
     flag = torch.tensor([problem is not None], dtype=torch.int64, device=pipe.mesh.device)
-    dist.all_reduce(flag)
+    try:
+        dist.all_reduce(flag)
+    except RuntimeError as exc:   # a timeout, most likely: a rank that never came
+        exc.add_note("raised while run_state.save waited for every rank of the job: each "
+                     "must call save(...) at the same step")
+        raise
     if not flag.item():
         return
     said: list[str | None] = [None] * dist.get_world_size()
@@ -310,6 +331,25 @@ def merged_state_dict(folder: str | Path) -> dict[str, Tensor]:
     return _read(folder)[1]
 
 
+def _state_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> set[str]:
+    """The state a step of ``optimizer`` keeps per parameter of ``group``, with its
+    settings (Adam: ``step``, ``exp_avg``, ``exp_avg_sq``, and ``max_exp_avg_sq`` with
+    ``amsgrad``), found by a step on a one-element stand-in; empty where no such step
+    can be taken (an optimizer needing a closure): nothing is then checked."""
+    if not group["params"]:
+        return set()
+    like = group["params"][0]
+    stand_in = torch.zeros(1, dtype=like.dtype, device=like.device, requires_grad=True)
+    stand_in.grad = torch.zeros_like(stand_in)
+    try:
+        probe = type(optimizer)([{**{k: v for k, v in group.items() if k != "params"},
+                                  "params": [stand_in]}])
+        probe.step()
+    except Exception:  # noqa: BLE001 - an optimizer that cannot be probed so
+        return set()
+    return set(probe.state[stand_in])
+
+
 def resume(folder: str | Path, pipe: DistributedPipe, balance: Sequence[int],
            optimizer: torch.optim.Optimizer) -> int:
     """Load the newest checkpoint in ``folder`` into this rank's stages, its optimizer and
@@ -329,6 +369,30 @@ def resume(folder: str | Path, pipe: DistributedPipe, balance: Sequence[int],
         raise ValueError(f"the checkpoint in {folder} has layers {beyond[:3]}"
                          f"{' ...' if len(beyond) > 3 else ''} and this model only "
                          f"{sum(balance)}: {another}")
+    saved_optimizer = run.get("optimizer", type(optimizer).__name__)
+    if saved_optimizer != type(optimizer).__name__:
+        raise ValueError(f"the checkpoint in {folder} holds {saved_optimizer}'s state and "
+                         f"settings, and this run's optimizer is "
+                         f"{type(optimizer).__name__}: resume with {saved_optimizer}")
+    by_id = _param_names(pipe, balance)
+    state, groups, index = {}, [], 0
+    for group in optimizer.param_groups:   # its own settings, the saved state
+        needs, indices = _state_keys(optimizer, group), []
+        for p in group["params"]:
+            saved = moments.get(by_id[id(p)])
+            if saved is not None:
+                if needs - set(saved):
+                    raise ValueError(
+                        f"the checkpoint's optimizer state of {by_id[id(p)]} has no "
+                        f"{sorted(needs - set(saved))}, which this "
+                        f"{type(optimizer).__name__}'s settings need: it was saved with "
+                        f"other settings (amsgrad?); resume with the settings it was "
+                        f"saved with")
+                state[index] = saved
+            indices.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": indices})
     for s, module in pipe.modules.items():
         wanted = names[s]
         missing = [full for full in wanted.values() if full not in weights]
@@ -346,22 +410,6 @@ def resume(folder: str | Path, pipe: DistributedPipe, balance: Sequence[int],
         except RuntimeError as exc:   # shapes: another width or vocabulary
             raise ValueError(f"the checkpoint in {folder} does not fit stage {s}: {another}"
                              f"\n{exc}") from None
-    saved_optimizer = run.get("optimizer", type(optimizer).__name__)
-    if saved_optimizer != type(optimizer).__name__:
-        raise ValueError(f"the checkpoint in {folder} holds {saved_optimizer}'s state and "
-                         f"settings, and this run's optimizer is "
-                         f"{type(optimizer).__name__}: resume with {saved_optimizer}")
-    by_id = _param_names(pipe, balance)
-    state, groups, index = {}, [], 0
-    for group in optimizer.param_groups:   # its own settings, the saved state
-        indices = []
-        for p in group["params"]:
-            if by_id[id(p)] in moments:
-                state[index] = moments[by_id[id(p)]]
-            indices.append(index)
-            index += 1
-        groups.append({**{k: v for k, v in group.items() if k != "params"},
-                       "params": indices})
     optimizer.load_state_dict({"state": state, "param_groups": groups})
     torch.set_rng_state(run["rng"])
     return run["step"]
