@@ -98,8 +98,8 @@ The same batch on every rank
 Each step's first collective, the all-reduce that shares the step's seed, also compares
 every rank's batch shapes, values and step number: one rank given a batch of other
 shapes or values (other targets, rows in another order), or a step behind, makes every
-rank raise, naming it. The values are compared by a fingerprint (`_fingerprint`), one
-pass over the batch's tensors where they are, read with the all-reduce's one read.
+rank raise, naming it. The values are compared by a fingerprint (`_fingerprint`), a few
+passes over the batch's tensors where they are, read with the all-reduce's one read.
 
 Timelines
 ---------
@@ -110,6 +110,7 @@ the simulator returns, so a run is drawn and its bubble compared with one functi
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import pickle
 from typing import Any, ContextManager, Iterator, Mapping, NoReturn, Sequence
 
@@ -281,13 +282,18 @@ class DistributedPipe:
         """Raise on every rank, naming the ranks whose batch or step number differ from
         rank 0's (every rank calls this: all saw the same all-reduce)."""
         device = self.mesh.device
-        mine = (self.steps, describe_tensors(_shapes(inputs)), describe_tensors(_shapes(target)),
-                _fingerprint(inputs, device).item(), _fingerprint(target, device).item())
+        mine = (self.steps, describe_tensors(_shapes(inputs)),
+                describe_tensors(_shapes(target)), _fingerprint(inputs, device).item(),
+                _fingerprint(target, device).item())
         seen: list[tuple[int, str, str, int, int] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(seen, mine)
-        said = [f"rank {r} is at step {steps} with inputs {x} and target {y}"
-                + "".join(f", {what} values other than rank 0's" for what, k in
-                          (("input", 3), ("target", 4)) if r and seen[r][k] != seen[0][k])
+        def values(r: int) -> str:   # where rank r's shapes are rank 0's
+            return "".join(f", {what} values other than rank 0's"
+                           for what, shapes, fingerprint in (("input", 1, 3), ("target", 2, 4))
+                           if r and seen[r][shapes] == seen[0][shapes]
+                           and seen[r][fingerprint] != seen[0][fingerprint])
+
+        said = [f"rank {r} is at step {steps} with inputs {x} and target {y}{values(r)}"
                 for r, (steps, x, y, *_) in enumerate(seen) if r == 0 or seen[r] != seen[0]]
         raise ValueError(f"the ranks were given different batches or are at different steps: "
                          f"{'; '.join(said)}. Every rank must call step the same number of "
@@ -457,10 +463,17 @@ def _fingerprint(batch: Any, device: torch.device) -> Tensor:
     its position change: Σ bits(v_ij)·(1 + i·C + j) over each tensor seen as rows × C
     columns, from its row and column sums. On the values' bit patterns, in integers, so
     that it is exact and the same whatever order a device adds in; computed where the
-    tensors are, without reading them to the host."""
+    tensors are, without reading them to the host: a few elementwise passes over the
+    batch (a token batch: well under a millisecond). A number, string, flag or None in
+    the batch counts by its repr."""
     total = torch.zeros((), dtype=torch.int64, device=device)
-    for t in tree.tensors(_shapes(batch)):
-        t = t.detach()
+    for t in _shapes(batch):
+        if isinstance(t, (str, int, float, type(None))):   # bool is an int
+            digest = hashlib.blake2b(repr(t).encode(), digest_size=7).digest()
+            total = total * 1_000_003 + int.from_bytes(digest, "little")
+        if not isinstance(t, Tensor):
+            continue
+        t = t.detach().resolve_conj().resolve_neg()   # the values, not a lazy view of them
         if t.is_complex():
             t = torch.view_as_real(t)
         if t.is_floating_point() or t.dtype == torch.bool:
@@ -469,7 +482,12 @@ def _fingerprint(batch: Any, device: torch.device) -> Tensor:
         rows = t.shape[0] if t.dim() else 1
         columns = t.numel() // rows if rows else 0
         grid = t.reshape(rows, columns)
-        by_row, by_column = grid.sum(1, dtype=torch.int64), grid.sum(0, dtype=torch.int64)
+        # Summed in the bits' own width, wrapping: exact all the same (a sum modulo 2^k
+        # does not depend on the order), and faster than widening every element. The
+        # top bit folded into the lower half first: else two sign flips in a row (y
+        # against -y) would change its sum by 2^k, which wraps to nothing.
+        grid = grid ^ (grid >> 4 * grid.element_size())
+        by_row, by_column = (grid.sum(dim, dtype=grid.dtype).long() for dim in (1, 0))
         mixed = (by_row.sum() + columns * (by_row * torch.arange(rows, device=t.device)).sum()
                  + (by_column * torch.arange(columns, device=t.device)).sum())
         total = total * 1_000_003 + mixed.to(device)
