@@ -8,10 +8,11 @@ the stages differently: a different update direction from the unpipelined model'
 rank sums its stages' ``|g|^p`` and the ranks of its pipeline all-reduce the sums
 (torchtitan and Megatron do the same over their pipeline groups); for the inf-norm they
 take the maximum, beside a flag for a NaN (a maximum over gloo drops NaN: one rank's
-NaN gradient would pass as the others' finite norm). Replicas need no share in it: by the time `DistributedPipe.step`
-returns, DDP has averaged the gradients over them, so every replica finds the same norm.
-This relies on each parameter living on one rank: `DistributedPipe` refuses weights tied
-across ranks, which would otherwise be counted once per rank holding them.
+NaN gradient would pass as the others' finite norm). Replicas need no share in it: by
+the time `DistributedPipe.step` returns, DDP has averaged the gradients over them, so
+every replica finds the same norm. This relies on each parameter living on one rank:
+`DistributedPipe` refuses weights tied across ranks, which would otherwise be counted
+once per rank holding them.
 """
 from __future__ import annotations
 

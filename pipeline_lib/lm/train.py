@@ -328,8 +328,9 @@ def main(argv: list[str] | None = None) -> None:
         # the split, it goes round again (an epoch more), whatever --steps says
         batches, steps = batch_starts(source, args.bptt, None), args.steps
         if done >= steps:
-            raise ValueError(f"the checkpoint in {args.resume} has run {done} steps already, "
-                             f"and this run has --steps {steps} in all: raise --steps to go on")
+            raise ValueError(f"the checkpoint in {args.resume} has run {done} steps "
+                             f"already, and this run has --steps {steps} in all: raise "
+                             f"--steps to go on")
         if mesh.rank == logger:
             _log(f"{pipe.schedule.name}: {args.pp} pipeline ranks x {args.dp} replicas, "
                  f"stages {balance} (by {args.balance} on {mesh.device}), {args.microbatches} "

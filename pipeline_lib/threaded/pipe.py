@@ -32,7 +32,7 @@ from pipeline_lib.threaded.threads import InProcess, Mailbox, run_threads
 from pipeline_lib.timeline import Timeline
 
 
-_claims = threading.Condition()   # guards every Pipe's ``_stepping``, ``_backwards``, ``_held``
+_claims = threading.Condition()   # guards each Pipe's _stepping, _backwards and _held
 
 
 def _training(stage: nn.Module) -> bool:
@@ -114,6 +114,12 @@ class Pipe(nn.Module):
 
     def __len__(self) -> int:
         return len(self.partitions)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling a Pipe saved before a step's bookkeeping grew: it starts empty."""
+        super().__setstate__(state)
+        for name, empty in (("_stepping", False), ("_backwards", 0), ("_held", {})):
+            self.__dict__.setdefault(name, empty)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Pipe:
         """Refuse to move a stage off its device: ``pipe.devices`` says where each stage
@@ -299,9 +305,10 @@ class Pipe(nn.Module):
         parameter gradients accumulate as ``loss.backward()`` of the whole batch's loss
         would add them (mean, or Σ loss_sum / Σ count), and that loss is returned,
         detached; an input tensor that requires grad gets the loss's gradient too (and
-        what it was computed from). If the step fails or is interrupted, ``.grad`` is left as it was, and
-        every stage thread has stopped when it raises; an interrupt that comes while the
-        step commits its gradients is raised once they are in: the step then counts.
+        what it was computed from). If the step fails or is interrupted, ``.grad`` is
+        left as it was, and every stage thread has stopped when it raises; an interrupt
+        that comes while the step commits its gradients is raised once they are in: the
+        step then counts.
         One step at a time per Pipe: a second call while one runs (from another thread)
         raises `RuntimeError`.
         """
@@ -403,8 +410,8 @@ class _StageFunction(torch.autograd.Function):
         # autograd runs backwards with grad mode off; a replay needs it on
         with ctx.pipe._outside_steps() as held, torch.enable_grad(), \
                 ctx.modes.autocast_applied():
-            grad_x = runner.backward(i, grad_y, skip_grads=dict(zip(ctx.stash_keys, grads[n:])),
-                                     into=held)
+            grad_x = runner.backward(i, grad_y, into=held,
+                                     skip_grads=dict(zip(ctx.stash_keys, grads[n:])))
         popped = runner.take_skip_grads(i)
         grad_x = [g for g, is_tensor in zip(tree.leaves(grad_x), ctx.x_is_tensor) if is_tensor] \
             if grad_x is not None else [None] * sum(ctx.x_is_tensor)
