@@ -8,7 +8,8 @@ raised, into ``DIR/rank<r>.pt``:
   micro-batches, two steps; beside it DDP with the same flags over the plain model;
 * ``clip``: a NaN (or inf) gradient on pipeline rank 1 only, clipped by the 2-norm and
   the inf-norm, with ``error_if_nonfinite`` and without;
-* ``agree``: rank 1's target differs from rank 0's in one value;
+* ``agree``: rank 1's target differs from rank 0's in one value; then its inputs, in a
+  string flag;
 * ``input``: the input's gradient from `DistributedPipe.step` on 2 stages (a SumCount
   loss, 1F1B) and on 2 replicas (a mean loss, ZB-H1's split backward);
 * ``optimizer``: a checkpoint saved and resumed where the ranks built their optimizers
@@ -123,14 +124,24 @@ def clip(rank: int) -> dict[str, Any]:
     return found
 
 
+class First(nn.Module):
+    """Takes ``(x, flag)`` and gives x."""
+
+    def forward(self, batch: tuple[torch.Tensor, str]) -> torch.Tensor:
+        return batch[0]
+
+
 def agree(rank: int) -> dict[str, Any]:
+    """Rank 1's target differs in one value; then its inputs in a string flag."""
     mesh = init_mesh(2, timeout=60)
     pipe = DistributedPipe(linears(), mesh, [2, 2], MICROBATCHES)
     x, y = data()
-    if rank == 1:
-        y = y.clone()
-        y[4, 1] += 1.0
-    return {"error": error(lambda: pipe.step(x, y, F.mse_loss))}
+    other = y.clone()
+    other[4, 1] += 1.0
+    target = error(lambda: pipe.step(x, other if rank else y, F.mse_loss))
+    pipe = DistributedPipe(nn.Sequential(First(), *linears(3)), mesh, [2, 2], MICROBATCHES)
+    flag = error(lambda: pipe.step((x, "eval" if rank else "train"), y, F.mse_loss))
+    return {"error": target, "flag": flag}
 
 
 def input_grads(rank: int) -> dict[str, Any]:

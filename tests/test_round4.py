@@ -136,6 +136,14 @@ def test_ranks_given_other_target_values_are_refused_naming_them(two_ranks):
         assert "input values" not in rank["agree"]["error"]
 
 
+def test_ranks_given_another_flag_in_their_inputs_are_refused(two_ranks):
+    """Hostile round 4: a string in the inputs (a mode flag) differing on one rank trained
+    without a word: only tensors were fingerprinted."""
+    for rank in two_ranks:
+        assert "rank 1 is at step 1 with inputs (float32[6, 4], str)" in rank["agree"]["flag"]
+        assert "input values other than rank 0's" in rank["agree"]["flag"]
+
+
 def test_distributed_pipe_gives_the_input_its_gradient_where_stage_0_runs(two_ranks):
     """4. The unpipelined model's x.grad: on the rank holding stage 0 (SumCount, 1F1B);
     with two replicas, each replica's rows on its own rank (ZB-H1's split backward)."""
