@@ -116,8 +116,8 @@ def _atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
         free = shutil.disk_usage(path.parent).free
         raise OSError(exc.errno, f"no space left to save {path} (the disk is full or "
                       f"over quota: {free / 2**20:,.0f} MiB free there); free some space or "
-                      f"save into a folder on another disk. The newest complete "
-                      f"checkpoint in {path.parent.parent} is unchanged") from exc
+                      f"save into a folder on another disk. The last complete checkpoint "
+                      f"(the one `latest` names) is unchanged") from exc
     finally:
         partial.unlink(missing_ok=True)
 
@@ -141,9 +141,9 @@ def save(folder: str | Path, step: int, pipe: DistributedPipe, balance: Sequence
     mesh = pipe.mesh
     names = full_names(pipe, balance)
     outside = _outside_the_pipe(pipe, optimizer, "saved")
-    parts = {s: _stage_part(pipe, names[s], s, optimizer) for s in pipe.modules} \
-        if mesh.replica == 0 else {}
-    _agree_everywhere(pipe, outside or _nonfinite(parts, step, folder))
+    writes = mesh.replica == 0   # the replicas hold equal copies
+    _agree_everywhere(pipe, outside or (_nonfinite(pipe, optimizer, names, step, folder)
+                                        if writes else None))
     if mesh.rank == 0:
         try:
             target.mkdir(parents=True, exist_ok=True)
@@ -153,8 +153,8 @@ def save(folder: str | Path, step: int, pipe: DistributedPipe, balance: Sequence
                                      f"a folder; give a folder's path (a new one is "
                                      f"created)") from None
     dist.barrier()
-    for s, part in parts.items():
-        _write_atomically(part, target / _stage_file(s))
+    for s in pipe.modules if writes else ():
+        _write_atomically(_stage_part(pipe, names[s], s, optimizer), target / _stage_file(s))
     if mesh.rank == 0:
         _write_atomically({"step": step, "rng": torch.get_rng_state(),
                            "stages": pipe.schedule.stages,
@@ -180,18 +180,26 @@ def _stage_part(pipe: DistributedPipe, names: dict[str, str], stage: int,
     return {"weights": weights, "optimizer": moments}
 
 
-def _nonfinite(parts: dict[int, dict[str, dict[str, Any]]], step: int,
-               folder: Path) -> str | None:
-    """What in this rank's part of a checkpoint is NaN or infinite, if anything: such a
-    checkpoint would only resume a diverged run, so it must not replace a good one."""
-    bad = [name for part in parts.values() for name, t in part["weights"].items()
-           if t.is_floating_point() and not bool(t.isfinite().all())]
-    bad += [f"{name} ({key})" for part in parts.values()
-            for name, state in part["optimizer"].items() for key, t in state.items()
-            if isinstance(t, Tensor) and t.is_floating_point()
-            and not bool(t.isfinite().all())]
-    if not bad:
+def _nonfinite(pipe: DistributedPipe, optimizer: torch.optim.Optimizer,
+               names: dict[int, dict[str, str]], step: int, folder: Path) -> str | None:
+    """What of this rank's stages' weights and optimizer state is NaN or infinite, if
+    anything: such a checkpoint would only resume a diverged run, so it must not replace
+    a good one. Checked where the tensors are, with one read of the answer."""
+    found: dict[str, Tensor] = {}
+    for s, module in pipe.modules.items():
+        module = _unwrapped(module)
+        found.update((names[s][k], t) for k, t in module.state_dict().items())
+        found.update((f"{names[s][k]} ({key})", v) for k, p in module.named_parameters()
+                     for key, v in optimizer.state.get(p, {}).items()
+                     if isinstance(v, Tensor))
+    found = {name: t for name, t in found.items() if t.is_floating_point()}
+    if not found:
         return None
+    finite = torch.stack([t.detach().isfinite().all().to(pipe.mesh.device)
+                          for t in found.values()])
+    if bool(finite.all()):
+        return None
+    bad = [name for name, ok in zip(found, finite.tolist()) if not ok]
     return (f"the weights or optimizer state after step {step} hold NaN or inf values "
             f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}): the run has diverged, "
             f"and saving would replace the last good checkpoint in {folder}, which is "

@@ -287,6 +287,7 @@ class DistributedPipe:
                 _fingerprint(target, device).item())
         seen: list[tuple[int, str, str, int, int] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(seen, mine)
+
         def values(r: int) -> str:   # where rank r's shapes are rank 0's
             return "".join(f", {what} values other than rank 0's"
                            for what, shapes, fingerprint in (("input", 1, 3), ("target", 2, 4))
