@@ -171,6 +171,13 @@ def folder() -> Path:
     return Path(tempfile.mkdtemp(prefix="hostile4-"))
 
 
+def saved() -> Path:
+    """A folder holding the checkpoint of `trained` after step 1."""
+    where = folder()
+    run_state.save(where, 1, *trained())
+    return where
+
+
 # -- 4. input gradients ------------------------------------------------------------------
 
 @case("input: x.grad adds up over two steps", "twice the plain model's x.grad")
@@ -500,8 +507,7 @@ def _() -> None:
 
 @case("save: an infinite exp_avg_sq", "refused, the last checkpoint kept")
 def _() -> None:
-    where = folder()
-    run_state.save(where, 1, *trained())
+    where = saved()
     pipe, balance, opt = trained()
     opt.state[next(pipe.parameters())]["exp_avg_sq"][0, 0] = math.inf
     refused(lambda: run_state.save(where, 2, pipe, balance, opt), ValueError,
@@ -536,8 +542,7 @@ def _() -> None:
 
 @case("resume: AdamW saved without amsgrad, resumed with it", "refused, naming the state")
 def _() -> None:
-    where = folder()
-    run_state.save(where, 1, *trained())
+    where = saved()
     refused(lambda: run_state.resume(where, *trained(
         lambda p: torch.optim.AdamW(p, amsgrad=True))), ValueError, "max_exp_avg_sq",
         "saved with")
@@ -557,8 +562,7 @@ def _() -> None:
 
 @case("resume: an optimizer with an extra empty group", "resumes, its groups as built")
 def _() -> None:
-    where = folder()
-    run_state.save(where, 1, *trained())
+    where = saved()
     pipe, balance, _ = trained()
     opt = torch.optim.AdamW([{"params": list(pipe.parameters())}, {"params": [], "lr": 1.0}])
     run_state.resume(where, pipe, balance, opt)
@@ -569,8 +573,7 @@ def _() -> None:
 @case("resume: a checkpoint saved with rank 0's groups in run.pt (the old format)",
       "resumes, keeping this optimizer's settings")
 def _() -> None:
-    where = folder()
-    run_state.save(where, 1, *trained())
+    where = saved()
     run_file = where / "step-000001" / run_state.RUN
     saved = torch.load(run_file)
     torch.save({**saved, "groups": [{"lr": 9.0, "weight_decay": 9.0}]}, run_file)
@@ -602,8 +605,7 @@ def _() -> None:
 
 @case("save: a file named like a step folder in the folder", "left alone, no crash")
 def _() -> None:
-    where = folder()
-    run_state.save(where, 1, *trained())
+    where = saved()
     (where / "step-000009").write_text("a learner's file")
     run_state.save(where, 2, *trained())
     if (where / "step-000009").read_text() != "a learner's file":
@@ -612,8 +614,7 @@ def _() -> None:
 
 @case("save: latest names a folder that is gone (edited)", "saves, and latest moves")
 def _() -> None:
-    where = folder()
-    run_state.save(where, 1, *trained())
+    where = saved()
     (where / run_state.LATEST).write_text("step-000007")
     run_state.save(where, 2, *trained())
     if run_state.resume(where, *trained()) != 2:
@@ -622,8 +623,7 @@ def _() -> None:
 
 @case("save: a full disk while writing latest", "an OSError naming the file and disk full")
 def _() -> None:
-    where = folder()
-    run_state.save(where, 1, *trained())
+    where = saved()
     pipe, balance, opt = trained()
     real_replace = os.replace
 
@@ -651,8 +651,7 @@ def _() -> None:
 
 @case("resume: optimizer None", "a TypeError naming the optimizer")
 def _() -> None:
-    where = folder()
-    run_state.save(where, 1, *trained())
+    where = saved()
     pipe, balance, _ = trained()
     refused(lambda: run_state.resume(where, pipe, balance, None), TypeError, "optimizer")
 
@@ -915,18 +914,17 @@ def _() -> None:
 @case("agree: the fingerprint of odd tensors", "stable, and changed by any one value")
 def _() -> None:
     from pipeline_lib.distributed.pipe import _fingerprint
-    cpu = torch.device("cpu")
     batch = {"scalar": torch.tensor(3.0), "empty": torch.zeros(4, 0),
              "mask": torch.tensor([True, False, True, True]),
              "half": torch.randn(4, 3).half(), "complex": torch.randn(4, 2, dtype=torch.cfloat),
              "ids": torch.arange(4), "flag": "train", "none": None}
-    base = _fingerprint(batch, cpu)
-    if _fingerprint(copy.deepcopy(batch), cpu) != base:
+    base = _fingerprint(batch)
+    if _fingerprint(copy.deepcopy(batch)) != base:
         raise Wrong("equal batches differ")
     for key, change in [("scalar", lambda t: t + 1), ("mask", lambda t: ~t),
                         ("half", lambda t: t.flip(0)), ("complex", lambda t: t.conj()),
                         ("ids", lambda t: t.roll(1)), ("flag", lambda t: "eval")]:
-        if _fingerprint({**batch, key: change(batch[key])}, cpu) == base:
+        if _fingerprint({**batch, key: change(batch[key])}) == base:
             raise Wrong(f"a change of {key} goes unseen")
 
 

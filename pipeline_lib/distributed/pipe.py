@@ -266,10 +266,10 @@ class DistributedPipe:
         self.steps += 1
         key = batch_key(_shapes(inputs), _shapes(target))
         seed = new_step_seed() if mesh.rank == 0 else -1
-        values = _fingerprint((inputs, target), mesh.device)
+        values = _fingerprint((inputs, target))   # where the batch is: no read, no copy
         sent = torch.cat([torch.tensor([seed, key, -key, self.steps, -self.steps],
-                                       dtype=torch.int64, device=mesh.device),
-                          torch.stack([values, -values])])
+                                       dtype=torch.int64, device=values.device),
+                          torch.stack([values, -values])]).to(mesh.device)
         dist.all_reduce(sent, op=dist.ReduceOp.MAX)
         step_seed, most_key, least_key, most_steps, least_steps, most, least = sent.tolist()
         if most_key != -least_key or most_steps != -least_steps or most != -least:
@@ -281,10 +281,9 @@ class DistributedPipe:
     def _disagreement(self, inputs: Any, target: Any) -> NoReturn:
         """Raise on every rank, naming the ranks whose batch or step number differ from
         rank 0's (every rank calls this: all saw the same all-reduce)."""
-        device = self.mesh.device
         mine = (self.steps, describe_tensors(_shapes(inputs)),
-                describe_tensors(_shapes(target)), _fingerprint(inputs, device).item(),
-                _fingerprint(target, device).item())
+                describe_tensors(_shapes(target)), _fingerprint(inputs).item(),
+                _fingerprint(target).item())
         seen: list[tuple[int, str, str, int, int] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(seen, mine)
 
@@ -459,16 +458,18 @@ def _shapes(batch: Any) -> tuple[Any, ...]:
                  for leaf in tree.leaves(batch))
 
 
-def _fingerprint(batch: Any, device: torch.device) -> Tensor:
-    """A number (int64, 0-dim, on ``device``) that every value of the batch's tensors and
-    its position change: Σ bits(v_ij)·(1 + i·C + j) over each tensor seen as rows × C
-    columns, from its row and column sums. On the values' bit patterns, in integers, so
-    that it is exact and the same whatever order a device adds in; computed where the
-    tensors are, without reading them to the host: a few elementwise passes over the
-    batch (a token batch: well under a millisecond). A number, string, flag or None in
-    the batch counts by its repr."""
+def _fingerprint(batch: Any) -> Tensor:
+    """A number (int64, 0-dim, where the batch's first tensor is) that every value of the
+    batch's tensors and its position change: Σ bits(v_ij)·(1 + i·C + j) over each tensor
+    seen as rows × C columns, from its row and column sums. On the values' bit patterns,
+    in integers, so that it is exact and the same whatever order a device adds in;
+    computed where the tensors are, without reading them to the host: a few elementwise
+    passes over the batch (a token batch: well under a millisecond). A number, string,
+    flag or None in the batch counts by its repr."""
+    leaves = _shapes(batch)
+    device = next((t.device for t in leaves if isinstance(t, Tensor)), torch.device("cpu"))
     total = torch.zeros((), dtype=torch.int64, device=device)
-    for t in _shapes(batch):
+    for t in leaves:
         if isinstance(t, (str, int, float, type(None))):   # bool is an int
             digest = hashlib.blake2b(repr(t).encode(), digest_size=7).digest()
             total = total * 1_000_003 + int.from_bytes(digest, "little")
