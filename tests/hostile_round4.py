@@ -315,6 +315,39 @@ def _() -> None:
     same(base.grad, plain_base.grad, "base.grad")
 
 
+def _distributed_input_case(pp: int, dp: int, schedule: str, loss_fn: Callable) -> None:
+    """x.grad on the ranks holding stage 0: added up over the replicas, the plain
+    model's; on the others, none."""
+    from pipeline_lib.schedules import stages_per_rank
+    mesh = init_mesh(pp, dp, timeout=60)
+    stages = pp * stages_per_rank(schedule)
+    x, y = data()
+    plain, plain_x = mlp(stages), x.clone().requires_grad_()
+    mean_of(loss_fn(plain(plain_x), y)).backward()
+    pipe = DistributedPipe(mlp(stages), mesh, [1] * stages, 4, schedule)
+    leaf = x.clone().requires_grad_()
+    pipe.step(leaf, y, loss_fn)
+    if pipe.schedule.rank_of(0) != mesh.pipe_rank:
+        if leaf.grad is not None:
+            raise Wrong("a rank without stage 0 got x.grad")
+        leaf.grad = torch.zeros_like(leaf)
+    total = leaf.grad.clone()
+    dist.all_reduce(total)   # every rank joins: the others add zeros
+    same(total, plain_x.grad, "x.grad added over the ranks")
+
+
+@case("input: DistributedPipe, ZB-V on 2 ranks (stage 0 and the loss on rank 0), SumCount",
+      "rank 0's x.grad the plain model's, rank 1's none", processes=True)
+def input_zb_v() -> None:
+    _distributed_input_case(2, 1, "zb_v", sum_count)
+
+
+@case("input: DistributedPipe, 2 replicas, SumCount, interleaved 1F1B",
+      "the replicas' x.grad add up to the plain model's", processes=True)
+def input_replicas() -> None:
+    _distributed_input_case(1, 2, "interleaved_1f1b", sum_count)
+
+
 # -- 1. sync.Pipe and LocalRRef ----------------------------------------------------------
 
 @case("sync: LocalRRef deep-copies and pickles", "a LocalRRef of an equal value")
