@@ -608,8 +608,8 @@ def _() -> None:
 def _() -> None:
     where = saved()
     run_file = where / "step-000001" / run_state.RUN
-    saved = torch.load(run_file)
-    torch.save({**saved, "groups": [{"lr": 9.0, "weight_decay": 9.0}]}, run_file)
+    record = torch.load(run_file)
+    torch.save({**record, "groups": [{"lr": 9.0, "weight_decay": 9.0}]}, run_file)
     pipe, balance, opt = trained(lambda p: torch.optim.AdamW(p, lr=0.5))
     run_state.resume(where, pipe, balance, opt)
     if opt.param_groups[0]["lr"] != 0.5:
