@@ -75,14 +75,21 @@ def _split_batch(inputs: Any, target: Any, microbatches: int, replicas: int,
 def make_runners(stages: Mapping[int, tuple[nn.Module, torch.device]], last: int,
             checkpoint: str, microbatches: int, step_seed: int, loss_fn: LossFn,
             weights: list[float], rng: RandomStream,
-            given: bool = True) -> dict[int, StageRunner]:
+            inputs: Any = None) -> dict[int, StageRunner]:
     """A `StageRunner` per stage of ``stages`` (stage -> (module, device)); stage
-    ``last`` computes the loss. ``given``: stage 0 uses its input as given (the caller's
-    batch, whose gradient nobody needs)."""
+    ``last`` computes the loss. Stage 0 uses the caller's batch ``inputs`` as given,
+    unless a tensor in it requires grad: then it computes their gradients, for
+    `StageRunner.backward_into_caller`."""
+    wanted = any(t.requires_grad for t in tree.tensors(tree.map_leaves(_unwrapped, inputs)))
     return {s: StageRunner(s, module, device, checkpoint, microbatches, step_seed,
                            loss_fn=loss_fn if s == last else None, loss_weights=weights,
-                           input_as_given=given and s == 0, rng=rng)
+                           input_as_given=s == 0 and not wanted, rng=rng,
+                           caller_input_grads=s == 0 and wanted)
             for s, (module, device) in stages.items()}
+
+
+def _unwrapped(leaf: Any) -> Any:
+    return leaf.tensor if isinstance(leaf, NoChunk) else leaf
 
 
 def train_step(parameters: Iterable[nn.Parameter],

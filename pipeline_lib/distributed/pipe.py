@@ -85,9 +85,10 @@ that is refused when the pipe is built (`check_no_weight_shared_across_ranks`).
 The same batch on every rank
 ----------------------------
 Each step's first collective, the all-reduce that shares the step's seed, also compares
-every rank's batch shapes and step number: one rank given a batch of other shapes, or a
-step behind, makes every rank raise, naming it. (The values are not compared: that would
-cost a pass over the batch.)
+every rank's batch shapes, values and step number: one rank given a batch of other
+shapes or values (other targets, rows in another order), or a step behind, makes every
+rank raise, naming it. The values are compared by a fingerprint (`_fingerprint`), a few
+passes over the batch's tensors where they are, read with the all-reduce's one read.
 
 Timelines
 ---------
@@ -98,6 +99,7 @@ the simulator returns, so a run is drawn and its bubble compared with one functi
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from typing import Any, ContextManager, Iterator, NoReturn, Sequence
 
 import torch
@@ -207,6 +209,11 @@ class DistributedPipe:
         on the ranks holding the last stage, None on the others. Inputs, targets and the
         activations between stages may be trees (see `microbatch.split`), and ``loss_fn``
         may return a mean or a ``SumCount(loss_sum, count)`` (see `pipeline_lib.loss`).
+        An input tensor that requires grad gets its ``.grad`` where stage 0 runs: on each
+        replica's rank holding stage 0, the batch loss's gradient for the replica's rows
+        (zeros in the others' rows: the replicas' ``x.grad`` add up to the unpipelined
+        model's; all-reduce them over ``mesh.dp_group`` for the whole); on the other ranks
+        none is added.
 
         If the step fails on any rank, every rank raises (the others once that rank's
         process has ended, as `job.process_group` ends it) and ``.grad`` is left as it was."""
@@ -219,7 +226,7 @@ class DistributedPipe:
         last = schedule.stages - 1
         runners = make_runners({s: (module, mesh.device) for s, module in self.modules.items()},
                                last, self.checkpoint, schedule.microbatches, step_seed,
-                               loss_fn, weights, rng=owned_rng)
+                               loss_fn, weights, rng=owned_rng, inputs=inputs)
 
         def run() -> tuple[Tensor | None, float]:
             self.transport.start_step(key)
@@ -232,7 +239,10 @@ class DistributedPipe:
                             self.transport, stopwatch, schedule.name, around=self._armed)
             self.transport.finish_step()   # names any message that did not come in time
             self.events = stopwatch.events()
-            return self._loss(runners.get(last))
+            loss, scale = self._loss(runners.get(last))
+            if 0 in runners:   # DDP averaged the replicas' sums, which x.grad skips
+                runners[0].backward_into_caller(scale / mesh.dp)
+            return loss, scale
 
         return train_step(self.parameters(), run)
 
@@ -250,11 +260,13 @@ class DistributedPipe:
         self.steps += 1
         key = _layout_key(inputs, target, mesh.device)
         seed = new_step_seed() if mesh.rank == 0 else -1
-        sent = transfer(torch.tensor([seed, key, -key, self.steps, -self.steps],
-                                     dtype=torch.int64), mesh.device)
+        values = _fingerprint((inputs, target))   # where the batch is: no read, no copy
+        head = transfer(torch.tensor([seed, key, -key, self.steps, -self.steps],
+                                     dtype=torch.int64), values.device)
+        sent = transfer(torch.cat([head, torch.stack([values, -values])]), mesh.device)
         dist.all_reduce(sent, op=dist.ReduceOp.MAX)
-        step_seed, most_key, least_key, most_steps, least_steps = read_back(sent)
-        if most_key != -least_key or most_steps != -least_steps:
+        step_seed, most_key, least_key, most_steps, least_steps, most, least = read_back(sent)
+        if most_key != -least_key or most_steps != -least_steps or most != -least:
             self._disagreement(inputs, target)
         if mesh.replica > 0:
             step_seed = seed_for(step_seed, -1, mesh.replica)
@@ -263,17 +275,25 @@ class DistributedPipe:
     def _disagreement(self, inputs: Any, target: Any) -> NoReturn:
         """Raise on every rank, naming the ranks whose batch or step number differ from
         rank 0's (every rank calls this: all saw the same all-reduce)."""
-        mine = (self.steps, describe_tensors(_shapes(inputs)), describe_tensors(_shapes(target)))
-        seen: list[tuple[int, str, str] | None] = [None] * dist.get_world_size()
+        mine = (self.steps, describe_tensors(_shapes(inputs)),
+                describe_tensors(_shapes(target)), _fingerprint(inputs).item(),
+                _fingerprint(target).item())
+        seen: list[tuple[int, str, str, int, int] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(seen, mine)
-        said = [f"rank {r} is at step {steps} with inputs {x} and target {y}"
-                for r, (steps, x, y) in enumerate(seen)
-                if r == 0 or (steps, x, y) != seen[0]]
+
+        def values(r: int) -> str:   # where rank r's shapes are rank 0's
+            return "".join(f", {what} values other than rank 0's"
+                           for what, shapes, fingerprint in (("input", 1, 3), ("target", 2, 4))
+                           if r and seen[r][shapes] == seen[0][shapes]
+                           and seen[r][fingerprint] != seen[0][fingerprint])
+
+        said = [f"rank {r} is at step {steps} with inputs {x} and target {y}{values(r)}"
+                for r, (steps, x, y, *_) in enumerate(seen) if r == 0 or seen[r] != seen[0]]
         raise ValueError(f"the ranks were given different batches or are at different steps: "
                          f"{'; '.join(said)}. Every rank must call step the same number of "
-                         f"times with the same global batch (each replica takes its slice; "
-                         f"a DistributedSampler that gives each rank its own rows is not "
-                         f"what DistributedPipe needs)")
+                         f"times with the same global batch, shapes and values (each replica "
+                         f"takes its slice; a DistributedSampler that gives each rank its own "
+                         f"rows is not what DistributedPipe needs)")
 
     def _armed(self, action: Action) -> ContextManager[None]:
         """The block an action's backward runs in: DDP's all-reduce armed for the stage's
@@ -434,3 +454,42 @@ def _shapes(batch: Any) -> tuple[Any, ...]:
     `batch_key` read (the shape of a NoChunk mask matters as much as the others')."""
     return tuple(leaf.tensor if isinstance(leaf, NoChunk) else leaf
                  for leaf in tree.leaves(batch))
+
+
+def _fingerprint(batch: Any) -> Tensor:
+    """A number (int64, 0-dim, where the batch's first tensor is) that every value of the
+    batch's tensors and its position change: Σ bits(v_ij)·(1 + i·C + j) over each tensor
+    seen as rows × C columns, from its row and column sums. On the values' bit patterns,
+    in integers, so that it is exact and the same whatever order a device adds in;
+    computed where the tensors are, without reading them to the host: a few elementwise
+    passes over the batch (a token batch: well under a millisecond). A number, string,
+    flag or None in the batch counts by its repr."""
+    leaves = _shapes(batch)
+    device = next((t.device for t in leaves if isinstance(t, Tensor)), torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for t in leaves:
+        if isinstance(t, (str, int, float, type(None))):   # bool is an int
+            digest = hashlib.blake2b(repr(t).encode(), digest_size=7).digest()
+            total = total * 1_000_003 + int.from_bytes(digest, "little")
+        if not isinstance(t, Tensor):
+            continue
+        t = t.detach().resolve_conj().resolve_neg()   # the values, not a lazy view of them
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        if t.is_floating_point() or t.dtype == torch.bool:
+            t = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                        8: torch.int64}[t.element_size()])
+        rows = t.shape[0] if t.dim() else 1
+        columns = t.numel() // rows if rows else 0
+        grid = t.reshape(rows, columns)
+        # Summed in the bits' own width, wrapping: exact all the same (a sum modulo 2^k
+        # does not depend on the order), and faster than widening every element. The
+        # top bit folded into the lower half first: else two sign flips in a row (y
+        # against -y) would change its sum by 2^k, which wraps to nothing.
+        grid = grid ^ (grid >> 4 * grid.element_size())
+        by_row, by_column = (grid.sum(dim, dtype=grid.dtype).long() for dim in (1, 0))
+        mixed = (by_row.sum() + columns * (by_row * torch.arange(rows, device=t.device)).sum()
+                 + (by_column * torch.arange(columns, device=t.device)).sum())
+        total = total * 1_000_003 + mixed.to(device)
+    return total & (2**62 - 1)   # its negative fits in an int64 too
+

@@ -33,7 +33,7 @@ from pipeline_lib.threaded.threads import InProcess, Mailbox, run_threads
 from pipeline_lib.timeline import Timeline
 
 
-_claims = threading.Lock()   # guards every Pipe's ``_stepping`` flag
+_claims = threading.Condition()   # guards each Pipe's _stepping, _backwards and _held
 LOWERINGS_KEPT = 8          # per Pipe: the schedules of the last steps, lowered
 
 
@@ -127,9 +127,17 @@ class Pipe(nn.Module):
         self.timeline: Timeline | None = None
         self._lowerings: dict[Hashable, LoweredSchedule] = {}   # see `_lowered`
         self._stepping = False   # a step is running (see `_one_step_at_a_time`)
+        self._backwards = 0      # backwards of pipe(x) adding into .grad (`_outside_steps`)
+        self._held: dict[Tensor, Tensor] = {}   # their gradients during a step, added after
 
     def __len__(self) -> int:
         return len(self.partitions)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling a Pipe saved before a step's bookkeeping grew: it starts empty."""
+        super().__setstate__(state)
+        for name, empty in (("_stepping", False), ("_backwards", 0), ("_held", {})):
+            self.__dict__.setdefault(name, empty)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Pipe:
         """Refuse to move a stage off its device: ``pipe.devices`` says where each stage
@@ -213,7 +221,7 @@ class Pipe(nn.Module):
                                input_as_given=s == 0 and not wants_input_grads)
                    for s in range(n)]
         outputs: dict[int, Any] = {}
-        stages = {s: _Autograd(runners[s], modes, outputs if s == n - 1 else None)
+        stages = {s: _Autograd(runners[s], modes, outputs if s == n - 1 else None, self)
                   for s in range(n)}
         self._run(self._lowered(("forward", m), lambda: lower_forward(n, m, self.skip_routes)),
                   stages, micro, [None] * m)
@@ -250,10 +258,14 @@ class Pipe(nn.Module):
         Each step sets ``.grad`` aside, lets its stages add into it and scales what they
         added (`StepGradients`): two at once would take each other's gradients aside and
         scale them, a silently wrong result. The flag, not a lock held over the step, so
-        that a Pipe stays a plain object (``copy.deepcopy``, ``torch.save``)."""
+        that a Pipe stays a plain object (``copy.deepcopy``, ``torch.save``). A backward
+        of ``pipe(x)`` (from another thread, or from ``loss_fn``) is kept out of the
+        step's gradients instead (`_outside_steps`): the step waits for those adding
+        into ``.grad`` to end, and adds what those it held computed when it ends."""
         claimed = False
         try:
             with _claims:
+                _claims.wait_for(lambda: not self._backwards)
                 if self._stepping:
                     raise RuntimeError(
                         "Pipe.step was called while another step is running on this Pipe "
@@ -265,7 +277,51 @@ class Pipe(nn.Module):
             yield
         finally:
             if claimed:
-                self._stepping = False
+                with _claims:
+                    self._stepping = False
+                    held, self._held = self._held, {}
+                self._add_to_grads(held)
+
+    @contextlib.contextmanager
+    def _outside_steps(self) -> Iterator[dict[Tensor, Tensor] | None]:
+        """Where a stage backward of ``pipe(x)`` puts its weight gradients: None, into
+        ``.grad``, when no step runs (a step starting meanwhile waits for it); else a
+        dict, whose gradients are added to ``.grad`` once the step has ended, so that
+        the step does not scale them as its own. Nothing here waits for a step: on a
+        GPU, autograd runs this backward on the device's one thread, which the step's
+        own backwards need too."""
+        with _claims:
+            held = {} if self._stepping else None
+            if held is None:
+                self._backwards += 1
+        try:
+            yield held
+        finally:
+            if held is None:
+                with _claims:
+                    self._backwards -= 1
+                    _claims.notify_all()
+            else:
+                with _claims:
+                    if self._stepping:
+                        for p, g in held.items():
+                            self._held[p] = self._held[p] + g if p in self._held else g
+                        held = {}
+                self._add_to_grads(held)
+
+    def _add_to_grads(self, grads: dict[Tensor, Tensor]) -> None:
+        """Accumulate ``grads`` into ``.grad`` as autograd does (it holds each
+        parameter's lock), counted as a backward into ``.grad``: a step waits for it."""
+        if not grads:
+            return
+        with _claims:
+            self._backwards += 1
+        try:
+            torch.autograd.backward(list(grads), list(grads.values()))
+        finally:
+            with _claims:
+                self._backwards -= 1
+                _claims.notify_all()
 
     def step(self, inputs: Any, target: Any, loss_fn: LossFn,
              schedule: str | Schedule = "gpipe") -> Tensor:
@@ -276,9 +332,11 @@ class Pipe(nn.Module):
         mean-reduced scalar or a ``SumCount(loss_sum, count)`` (see `pipeline_lib.loss`);
         parameter gradients accumulate as ``loss.backward()`` of the whole batch's loss
         would add them (mean, or Σ loss_sum / Σ count), and that loss is returned,
-        detached. If the step fails or is interrupted, ``.grad`` is left as it was, and
-        every stage thread has stopped when it raises; an interrupt that comes while the
-        step commits its gradients is raised once they are in: the step then counts.
+        detached; an input tensor that requires grad gets the loss's gradient too (and
+        what it was computed from). If the step fails or is interrupted, ``.grad`` is
+        left as it was, and every stage thread has stopped when it raises; an interrupt
+        that comes while the step commits its gradients is raised once they are in: the
+        step then counts.
         One step at a time per Pipe: a second call while one runs (from another thread)
         raises `RuntimeError`.
         """
@@ -296,11 +354,13 @@ class Pipe(nn.Module):
             lambda: lower(self._schedule(schedule, m), self.skip_routes))
         runners = make_runners({s: (self.partitions[s], self.devices[s]) for s in range(n)},
                                n - 1, self.checkpoint, m, new_step_seed(), loss_fn,
-                               weights, rng=streams_for(lowered.ranks))
+                               weights, rng=streams_for(lowered.ranks), inputs=inputs)
 
         def run() -> tuple[Tensor, float]:
             self._run(lowered, runners, micro_in, micro_target)
-            return batch_loss([runners[n - 1].losses[i] for i in range(m)])
+            loss, scale = batch_loss([runners[n - 1].losses[i] for i in range(m)])
+            runners[0].backward_into_caller(scale)
+            return loss, scale
 
         return train_step(self.parameters(), run, StepGradients)
 
@@ -311,14 +371,16 @@ class _Autograd:
     keeps its outputs in ``outputs``, for `gather`."""
 
     def __init__(self, runner: StageRunner, modes: ThreadState,
-                 outputs: dict[int, Any] | None):
+                 outputs: dict[int, Any] | None, pipe: Pipe):
         self.runner, self.device, self.modes, self.outputs = runner, runner.device, modes, outputs
+        self.pipe = pipe
         self.stashed: dict[int, dict[SkipKey, Tensor]] = {}
 
     def forward(self, microbatch: int, x: Any, target: Any = None,
                 skips: Mapping[SkipKey, Tensor] | None = None) -> Any:
         y, self.stashed[microbatch] = _StageFunction.run(self.runner, microbatch, x,
-                                                         dict(skips or {}), self.modes)
+                                                         dict(skips or {}), self.modes,
+                                                         self.pipe)
         if self.outputs is not None:
             self.outputs[microbatch] = y
         return y
@@ -335,10 +397,11 @@ class _StageFunction(torch.autograd.Function):
 
     @staticmethod
     def run(runner: StageRunner, microbatch: int, x: Any, skips: dict[SkipKey, Tensor],
-            modes: ThreadState) -> tuple[Any, dict[SkipKey, Tensor]]:
+            modes: ThreadState, pipe: Pipe) -> tuple[Any, dict[SkipKey, Tensor]]:
         """The stage's output and stashed tensors, connected to autograd if it is on.
         ``modes``: the caller's, whose autocast a checkpointed forward is replayed under
-        (autograd calls the backward on any thread, outside the caller's block)."""
+        (autograd calls the backward on any thread, outside the caller's block); the
+        backward keeps its weight gradients out of a running step of ``pipe``."""
         y = runner.forward(microbatch, x, skips=skips)
         stashed = runner.take_stashed(microbatch)
         if not torch.is_grad_enabled():
@@ -351,17 +414,18 @@ class _StageFunction(torch.autograd.Function):
         stashed_tensors = {k: t for k, t in stashed.items() if isinstance(t, Tensor)}
         popped = [k for k, t in skips.items() if isinstance(t, Tensor)]
         flat = iter(_StageFunction.apply(runner, microbatch, x, y, stashed_tensors, popped,
-                                         modes, trains, *tree.tensors(x),
+                                         (modes, pipe), trains, *tree.tensors(x),
                                          *(skips[k] for k in popped)))
         y = tree.map_tensors(lambda _: next(flat), y)
         return y, {k: next(flat) if k in stashed_tensors else t for k, t in stashed.items()}
 
     @staticmethod
     def forward(ctx, runner: StageRunner, microbatch: int, x: Any, y: Any,
-                stashed: dict[SkipKey, Tensor], popped: list[SkipKey], modes: ThreadState,
-                trains: Tensor, *inputs: Tensor) -> tuple[Tensor, ...]:
+                stashed: dict[SkipKey, Tensor], popped: list[SkipKey],
+                context: tuple[ThreadState, Pipe], trains: Tensor,
+                *inputs: Tensor) -> tuple[Tensor, ...]:
         ctx.runner, ctx.microbatch, ctx.y, ctx.stash_keys = runner, microbatch, y, list(stashed)
-        ctx.popped, ctx.modes = popped, modes
+        ctx.popped, (ctx.modes, ctx.pipe) = popped, context
         ctx.x_is_tensor = [isinstance(leaf, Tensor) for leaf in tree.leaves(x)]
         ctx.set_materialize_grads(False)   # None, not zeros, for outputs left unused
         outputs = [t.detach() for t in tree.tensors(y) + list(stashed.values())]
@@ -375,8 +439,9 @@ class _StageFunction(torch.autograd.Function):
         grad_y = tree.map_leaves(lambda v: next(it) if isinstance(v, Tensor) else None, ctx.y)
         runner, i = ctx.runner, ctx.microbatch
         # autograd runs backwards with grad mode off; a replay needs it on
-        with torch.enable_grad(), ctx.modes.autocast_applied():
-            grad_x = runner.backward(i, grad_y,
+        with ctx.pipe._outside_steps() as held, torch.enable_grad(), \
+                ctx.modes.autocast_applied():
+            grad_x = runner.backward(i, grad_y, into=held,
                                      skip_grads=dict(zip(ctx.stash_keys, grads[n:])))
         popped = runner.take_skip_grads(i)
         grad_x = [g for g, is_tensor in zip(tree.leaves(grad_x), ctx.x_is_tensor) if is_tensor] \
