@@ -29,23 +29,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from pipeline_lib.course.workers.three_dimensions import (Masks, block_loss, gathered_grads,
+                                                          messages, run_stage, whole)
 from pipeline_lib.distributed.job import process_group
 from pipeline_lib.lm.loops import lm_loss
 from pipeline_lib.lm.model import transformer_lm
-from pipeline_lib.parallel.block import ShardableBlock, shardable
+from pipeline_lib.parallel.block import shardable
 from pipeline_lib.parallel.by_hand import split_block
 from pipeline_lib.parallel.fsdp import reduce_gradients, shard_stage, start_step
 from pipeline_lib.parallel.rank_order import device_mesh
 from pipeline_lib.parallel.tensor_parallel import tensor_parallel
 from pipeline_lib.parallel.traffic import Traffic
 from pipeline_lib.rng import owned_rng
-from pipeline_lib.stage import StageRunner
-from pipeline_lib.step import split_batch
 
 VOCAB, ROWS, SEQ, MICROBATCHES = 64, 8, 8, 4
 ORDERS = {   # one stage's actions, in the order each schedule family runs them
@@ -71,53 +69,8 @@ def block_input() -> torch.Tensor:
     return torch.randn(3, SEQ, 16, generator=torch.Generator().manual_seed(2))
 
 
-def block_loss(out: torch.Tensor) -> torch.Tensor:
-    """Not ``out.square().sum()``: after a LayerNorm that is nearly constant, and its
-    input gradient nearly zero."""
-    return out.pow(3).sum()
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: whole(p.grad).clone() for n, p in model.named_parameters()}
-
-
-def messages(traffic: Traffic) -> list[tuple[str, str, int, int]]:
-    return [(m.dim, m.kind, m.size, m.ranks) for m in traffic.messages]
-
-
-class Masks(TorchDispatchMode):
-    """Every dropout mask drawn in the block (``bernoulli_``'s output), with its shape."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.masks: list[torch.Tensor] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.bernoulli_.float:
-            self.masks.append(out.detach().clone())
-        return out
-
-
-def hand_grads(split: ShardableBlock, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
-    """The by-hand block's gradients gathered whole: column-parallel pieces joined by
-    rows, row-parallel weights by columns, the rest the same on every rank."""
-    out = {}
-    for name, p in split.named_parameters():
-        name = name.replace(".norm.", ".")
-        dim = (0 if any(k in name for k in ("q_proj", "k_proj", "v_proj", "linear1"))
-               else 1 if name.endswith(("out_proj.weight", "linear2.weight")) else None)
-        if dim is None:
-            out[name] = p.grad.clone()
-            continue
-        parts = [torch.empty_like(p.grad) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, p.grad.contiguous(), group=group)
-        out[name] = torch.cat(parts, dim)
-    return out
+    return {n: whole(p.grad) for n, p in model.named_parameters()}
 
 
 def tp_cases(mesh, results: dict) -> None:
@@ -149,35 +102,11 @@ def block_cases(mesh, results: dict) -> None:
                 with Traffic({"tp": group}) as backward:
                     block_loss(out).backward()
                 done[way] = dict(out=out.detach().clone(), input_grad=given.grad.clone(),
-                                 grads=hand_grads(split, group) if way == "hand" else
+                                 grads=gathered_grads(split, group) if way == "hand" else
                                  {n.split(".", 1)[1]: g for n, g in grads(split).items()},
                                  masks=masks.masks, forward=messages(forward),
                                  backward=messages(backward))
             results[(key, sp)] = done
-
-
-def run_order(model: nn.Module, order: str, replica: int, replicas: int,
-              arm=lambda: None) -> None:
-    """One step of ``model`` as one stage of ``replicas`` running ``ORDERS[order]``;
-    ``arm`` runs before the last backward (DDP's reducer is armed there)."""
-    inputs, targets = batch()
-    micro_in, micro_target, weights = split_batch(inputs, targets, MICROBATCHES, replicas,
-                                                  replica)
-    runner = StageRunner(0, model, torch.device("cpu"), "never", MICROBATCHES, 7,
-                         loss_fn=lm_loss, loss_weights=weights, input_as_given=True,
-                         rng=owned_rng)
-    last = max(k for k, (kind, _) in enumerate(ORDERS[order]) if kind in "BW")
-    for k, (kind, i) in enumerate(ORDERS[order]):
-        if k == last:
-            arm()
-        if kind == "F":
-            runner.forward(i, micro_in[i], micro_target[i])
-        elif kind == "B":
-            runner.backward(i)
-        elif kind == "I":
-            runner.backward_input(i)
-        else:
-            runner.backward_weight(i)
 
 
 def fsdp_cases(mesh, results: dict) -> None:
@@ -188,7 +117,7 @@ def fsdp_cases(mesh, results: dict) -> None:
             for _ in range(2):   # the second step accumulates into the first's .grad
                 with Traffic({"dp": dp.get_group()}) as traffic:
                     start_step([model], reshard and order != "zb_h1")
-                    run_order(model, order, replica, 2)
+                    run_stage(model, ORDERS[order], batch(), MICROBATCHES, replica, 2)
                     reduce_gradients(model)
             results[("fsdp", order, reshard)] = dict(grads=grads(model),
                                                      messages=messages(traffic))
@@ -196,7 +125,8 @@ def fsdp_cases(mesh, results: dict) -> None:
                                     broadcast_buffers=False)   # as DistributedPipe
     with Traffic({"dp": dp.get_group()}) as traffic, model.no_sync():
         # as DistributedPipe: the all-reduce armed for the last backward only
-        run_order(model, "1f1b", replica, 2, arm=lambda: model.reducer.prepare_for_backward([]))
+        run_stage(model, ORDERS["1f1b"], batch(), MICROBATCHES, replica, 2,
+                  arm=lambda: model.reducer.prepare_for_backward([]))
     results[("ddp",)] = dict(grads={n.removeprefix("module."): g
                                     for n, g in grads(model).items()},
                              messages=messages(traffic))
@@ -209,7 +139,7 @@ def two_d_cases(mesh, results: dict) -> None:
         with Traffic({"tp": mesh["tp"].get_group(), "dp": mesh["dp"].get_group()}) as traffic, \
                 loss_parallel():
             start_step([model], True)
-            run_order(model, "1f1b", mesh["dp"].get_local_rank(), 2)
+            run_stage(model, ORDERS["1f1b"], batch(), MICROBATCHES, mesh["dp"].get_local_rank(), 2)
             reduce_gradients(model)
         results[("2d", sp)] = dict(grads=grads(model), messages=messages(traffic))
 
