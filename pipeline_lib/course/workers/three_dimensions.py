@@ -236,16 +236,18 @@ def data_parallel_record(setup: Setup, mesh, device: torch.device) -> dict[str, 
     record: dict[str, Any] = {}
     for mode in ("ddp", "fsdp", "fsdp-keep"):
         model = build(setup).to(device)
+        reshard = mode == "fsdp"
+        if mode == "ddp":   # construction broadcasts rank 0's weights: not the step's
+            model = DistributedDataParallel(model, process_group=group,
+                                            broadcast_buffers=False)
+        else:
+            model = shard_stage(model, mesh, reshard_after_forward=reshard)
         with Traffic({"dp": group}) as traffic:
             if mode == "ddp":
-                model = DistributedDataParallel(model, process_group=group,
-                                                broadcast_buffers=False)
                 with model.no_sync():   # all-reduce armed for the last backward only
                     run_stage(model, ONE_F_ONE_B, setup.batch, 4, replica, replicas,
                               arm=lambda: model.reducer.prepare_for_backward([]))
             else:
-                reshard = mode == "fsdp"
-                model = shard_stage(model, mesh, reshard_after_forward=reshard)
                 start_step([model], reshard)
                 run_stage(model, ONE_F_ONE_B, setup.batch, 4, replica, replicas)
                 reduce_gradients(model)
