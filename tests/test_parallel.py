@@ -13,7 +13,7 @@ from pipeline_lib.parallel import rank_order
 from pipeline_lib.parallel.block import ShardableBlock, shardable
 from pipeline_lib.parallel.streams import sharded_stream
 from pipeline_lib.parallel.traffic import Message
-from pipeline_lib.rng import microbatch_rng, owned_rng, seed_for
+from pipeline_lib.rng import microbatch_rng, owned_rng, seed_for, shared_rng
 from pipeline_lib.stage import StageRunner
 
 
@@ -102,7 +102,8 @@ def test_sharded_streams_differ_by_rank_and_leave_the_shared_stream_alone():
     assert not torch.equal(after, after0)                # a fork draws one number
 
 
-@pytest.mark.parametrize("stream", [owned_rng, microbatch_rng], ids=["owned", "threads"])
+@pytest.mark.parametrize("stream", [owned_rng, microbatch_rng, shared_rng],
+                         ids=["owned", "every kernel", "drawing layers"])
 def test_sharded_streams_replay_under_recompute(stream):
     """A block whose dropouts draw from a sharded stream (as rank 1 of 2 would, sequence
     parallelism included) gets the same gradients when its forward is recomputed for the

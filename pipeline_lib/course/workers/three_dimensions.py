@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -69,12 +69,7 @@ class Setup:
 
 def write_setup(workdir: str | Path, setup: Setup) -> Path:
     """Save the job; an earlier job's records in ``workdir`` are removed."""
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    results.clear(workdir, RESULTS)
-    path = workdir / "setup.pt"
-    torch.save(asdict(setup), path)
-    return path
+    return results.write_setup(workdir, RESULTS, setup)
 
 
 def read_records(workdir: str | Path, ranks: int) -> list[dict[str, Any]]:
