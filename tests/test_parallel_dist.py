@@ -184,15 +184,21 @@ def test_ddp_all_reduces_once_per_step(ranks):
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-def test_tensor_and_sharded_data_parallel_together(ranks, sp):
-    """Tensor parallelism over tp, FSDP over dp, 1F1B's order, loss-parallel: one
-    process's gradients; FSDP's messages stay in the dp groups, the plan's in tp."""
+@pytest.mark.parametrize("data", ["fsdp", "replicate"])
+def test_tensor_and_data_parallel_together(ranks, sp, data):
+    """Tensor parallelism over tp, and over dp FSDP or `replicate_stage` (DDP's
+    all-reduce for DTensor weights, which DistributedDataParallel refuses), 1F1B's order,
+    loss-parallel: one process's gradients; the data dimension's messages stay in the dp
+    groups (one all-reduce per layer for replicas), the plan's in tp."""
     _, grads = reference()
     for r in RANKS:
-        got = ranks[r][("2d", sp)]
+        got = ranks[r][("2d", sp, data)]
         assert_grads(got["grads"], grads, f"rank {r}")
         dims = {(dim, kind) for dim, kind, _, _ in got["messages"]}
-        assert {kind for dim, kind in dims if dim == "dp"} == {"all_gather", "reduce_scatter"}
+        assert {kind for dim, kind in dims if dim == "dp"} == (
+            {"all_gather", "reduce_scatter"} if data == "fsdp" else {"all_reduce"})
+        if data == "replicate":
+            assert sum(dim == "dp" for dim, *_ in got["messages"]) == 4   # one per layer
         assert {kind for dim, kind in dims if dim == "tp"} >= (
             {"all_gather", "reduce_scatter"} if sp else {"all_reduce"})
         assert all(dim in ("tp", "dp") for dim, _ in dims)

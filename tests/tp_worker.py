@@ -16,8 +16,9 @@ Cases (keys of the saved dict):
   stage's micro-batches in the order of a schedule (GPipe, 1F1B, ZB-H1's split
   backward), two steps: gradients gathered whole, and the second step's messages;
   ``("ddp",)``: the same with DDP;
-* ``("2d", sp)``: tensor parallelism over tp and FSDP over dp together, 1F1B, loss-parallel:
-  gradients and the step's messages by dimension.
+* ``("2d", sp, data)``: tensor parallelism over tp and, over dp, FSDP or ``replicate``
+  (DDP for DTensor weights) together, 1F1B, loss-parallel: gradients and the step's
+  messages by dimension.
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ from pipeline_lib.lm.loops import lm_loss
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.parallel.block import shardable
 from pipeline_lib.parallel.by_hand import split_block
-from pipeline_lib.parallel.fsdp import reduce_gradients, shard_stage, start_step
+from pipeline_lib.parallel.fsdp import (reduce_gradients, replicate_stage, shard_stage,
+                                        start_step)
 from pipeline_lib.parallel.rank_order import device_mesh
 from pipeline_lib.parallel.tensor_parallel import tensor_parallel
 from pipeline_lib.parallel.traffic import Traffic
@@ -134,14 +136,17 @@ def fsdp_cases(mesh, results: dict) -> None:
 
 def two_d_cases(mesh, results: dict) -> None:
     for sp in (False, True):
-        model = tensor_parallel(tiny_lm(), mesh["tp"], sp)
-        model = shard_stage(model, mesh["dp"], reshard_after_forward=True)
-        with Traffic({"tp": mesh["tp"].get_group(), "dp": mesh["dp"].get_group()}) as traffic, \
-                loss_parallel():
-            start_step([model], True)
-            run_stage(model, ORDERS["1f1b"], batch(), MICROBATCHES, mesh["dp"].get_local_rank(), 2)
-            reduce_gradients(model)
-        results[("2d", sp)] = dict(grads=grads(model), messages=messages(traffic))
+        for data in ("fsdp", "replicate"):
+            model = tensor_parallel(tiny_lm(), mesh["tp"], sp)
+            model = (shard_stage(model, mesh["dp"], reshard_after_forward=True)
+                     if data == "fsdp" else replicate_stage(model, mesh["dp"]))
+            with Traffic({"tp": mesh["tp"].get_group(),
+                          "dp": mesh["dp"].get_group()}) as traffic, loss_parallel():
+                start_step([model], True)
+                run_stage(model, ORDERS["1f1b"], batch(), MICROBATCHES,
+                          mesh["dp"].get_local_rank(), 2)
+                reduce_gradients(model)
+            results[("2d", sp, data)] = dict(grads=grads(model), messages=messages(traffic))
 
 
 def main() -> None:

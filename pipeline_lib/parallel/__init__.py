@@ -9,7 +9,8 @@ dimensions a pipeline's mesh adds to its own.
   `DeviceMesh` dimension): what runs;
 * `streams`: dropout masks under tensor parallelism (shared where the ranks hold the
   same tensor, their own where each holds a part);
-* `fsdp`: `fully_shard` on a pipeline stage, its gradients reduce-scattered once a step;
+* `fsdp`: `fully_shard` (or, for tensor-parallel weights, `replicate`: DDP's all-reduce) on a
+  pipeline stage, its gradients reduced once a step;
 * `rank_order`: the ranks of a ``tp × pp × dp`` mesh for a rank order ("tp-dp-pp",
   Megatron-LM's; "tp-pp-dp", Llama 3's) and its `DeviceMesh`;
 * `traffic`: the bytes each rank sends, counted in the run, per mesh dimension.

@@ -30,6 +30,12 @@ all-gathers per layer per step); ``False`` gathers them at the step's first forw
 keeps them until `reduce_gradients` (one per step). The whole gradients accumulate
 during the step either way: sharded memory holds between steps, not inside one (as in
 PyTorch's runtime).
+
+A tensor-parallel stage's weights are `DTensor`\ s, which ``DistributedDataParallel``
+refuses ("mixed torch.Tensor and DTensor" when it builds its buckets). Its replicas use
+`replicate_stage` instead: PyTorch's ``replicate`` (``torch.distributed._composable.
+replicate_with_fsdp``, which PyTorch's pipelining runtime also drives), DDP's behaviour
+on FSDP's machinery, driven by the same two calls: one all-reduce per layer per step.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ import warnings
 from typing import Iterable
 
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -64,6 +71,23 @@ def shard_stage(stage: nn.Sequential, mesh: DeviceMesh, reshard_after_forward: b
                        mp_policy=policy)
 
 
+def replicate_stage(stage: nn.Sequential, mesh: DeviceMesh,
+                    mp_policy: MixedPrecisionPolicy | None = None) -> FSDPModule:
+    """DDP's data parallelism for a stage whose weights are `DTensor`\ s (tensor
+    parallel), which ``DistributedDataParallel`` refuses: PyTorch's ``replicate`` on
+    FSDP's machinery, each layer a unit whose gradients are all-reduced over ``mesh``
+    (averaged), the parameters whole on every replica. Driven like `shard_stage`'s
+    (`start_step`, `reduce_gradients`): one all-reduce per layer per step."""
+    if mesh.ndim != 1:
+        raise ValueError(f"replicate_stage replicates over one mesh dimension; got the "
+                         f"{mesh.ndim}-dimensional mesh {mesh.mesh_dim_names}: pass mesh['dp']")
+    policy = mp_policy or MixedPrecisionPolicy()
+    for layer in stage:
+        if any(p.requires_grad for p in layer.parameters()):
+            replicate(layer, mesh=mesh, mp_policy=policy)
+    return replicate(stage, mesh=mesh, mp_policy=policy)
+
+
 def start_step(stages: Iterable[FSDPModule], reshard: bool) -> None:
     """Before a step's first action: no reduce-scatter in its backwards (the gradients
     accumulate whole), and each layer's parameters freed after each forward and each
@@ -73,8 +97,9 @@ def start_step(stages: Iterable[FSDPModule], reshard: bool) -> None:
     for stage in stages:
         stage.set_requires_gradient_sync(False)
         stage.set_is_last_backward(False)
-        stage.set_reshard_after_forward(reshard)
-        stage.set_reshard_after_backward(reshard)
+        if not isinstance(stage, ReplicateModule):   # whole on every replica: no reshard
+            stage.set_reshard_after_forward(reshard)
+            stage.set_reshard_after_backward(reshard)
 
 
 def reduce_gradients(stage: FSDPModule) -> None:
@@ -84,8 +109,11 @@ def reduce_gradients(stage: FSDPModule) -> None:
     does; it reaches into FSDP's state (no public call runs a post-backward)."""
     stage.set_requires_gradient_sync(True)
     stage.set_is_last_backward(True)
-    stage.set_reshard_after_backward(True)
-    state = fully_shard.state(stage)   # type: ignore[attr-defined]
+    if isinstance(stage, ReplicateModule):
+        state = replicate.state(stage)   # type: ignore[attr-defined]
+    else:
+        stage.set_reshard_after_backward(True)
+        state = fully_shard.state(stage)   # type: ignore[attr-defined]
     for layer_state in state._state_ctx.all_states:
         for group in layer_state._fsdp_param_groups:
             group.post_backward()
