@@ -10,7 +10,7 @@ from torch import nn
 
 from pipeline_lib.lm.model import CausalBlock, transformer_lm
 from pipeline_lib.parallel import rank_order
-from pipeline_lib.parallel.block import ShardableBlock, shardable
+from pipeline_lib.parallel.block import ShardableBlock, check_splits, shardable
 from pipeline_lib.parallel.streams import sharded_stream
 from pipeline_lib.parallel.traffic import Message
 from pipeline_lib.rng import microbatch_rng, owned_rng, seed_for, shared_rng
@@ -74,6 +74,14 @@ def test_state_dict_round_trip_and_copy():
         assert torch.equal(a, b)
     assert not torch.equal(model.state_dict()["0.tokens.weight"],
                            split.state_dict()["0.tokens.weight"])
+
+
+@pytest.mark.parametrize("ranks", [3, 8])
+def test_a_split_must_give_whole_heads(ranks):
+    block = ShardableBlock(16, 4, 32, 0.0)
+    with pytest.raises(ValueError, match="whole heads"):
+        check_splits(block, ranks)
+    check_splits(block, 2)
 
 
 def test_from_causal_refuses_other_layouts():

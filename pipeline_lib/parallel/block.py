@@ -151,6 +151,19 @@ class ShardableBlock(nn.Module):
         return shardable
 
 
+def check_splits(block: ShardableBlock, ranks: int) -> None:
+    """Refuse a split over ``ranks`` that would not give every rank whole heads and an
+    equal share of the MLP's hidden units."""
+    attention = block.layer.self_attn
+    heads = attention.q_proj.out_features // attention.head_dim
+    hidden = block.layer.linear1.out_features
+    if heads % ranks or hidden % ranks:
+        raise ValueError(f"a block of {heads} heads and {hidden} hidden units cannot be "
+                         f"split over {ranks} tensor-parallel ranks: each rank computes "
+                         f"whole heads, heads / tp of them, and hidden / tp units; choose a "
+                         f"tp that divides both")
+
+
 def shardable(model: nn.Sequential) -> nn.Sequential:
     """A copy of ``model`` (a ``transformer_lm``) with every `CausalBlock` laid out as a
     `ShardableBlock`: the same function, parameters and state-dict names."""

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from pipeline_lib.parallel.block import ShardableBlock
+from pipeline_lib.parallel.block import ShardableBlock, check_splits
 
 Group = dist.ProcessGroup
 
@@ -136,6 +136,7 @@ def split_block(block: ShardableBlock, group: Group,
     """This rank's part of ``block`` (a copy): heads / t heads, d_hid / t hidden units.
     Its input and output are the whole activation, or under ``sequence_parallel`` this
     rank's T / t positions of it."""
+    check_splits(block, dist.get_world_size(group))
     split = copy.deepcopy(block)
     layer, attention = split.layer, split.layer.self_attn
     if sequence_parallel:   # [B, T, d] everywhere but the out projection's [T·B, d]

@@ -44,7 +44,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from pipeline_lib.lm.model import CausalBlock, Decoder, Embedding
-from pipeline_lib.parallel.block import ShardableBlock
+from pipeline_lib.parallel.block import ShardableBlock, check_splits
 
 SEQUENCE = Shard(1)   # [batch, sequence, features]: the positions split over the ranks
 
@@ -116,8 +116,11 @@ def tensor_parallel(stage: nn.Sequential, mesh: DeviceMesh, sequence_parallel: b
         raise ValueError(f"tensor_parallel splits over one mesh dimension; got a "
                          f"{mesh.ndim}-dimensional mesh {mesh.mesh_dim_names}: pass "
                          f"mesh['tp']")
-    parallelize_module(stage, mesh, stage_plan(stage, sequence_parallel, gather_logits))
     rank, ranks = mesh.get_local_rank(), mesh.size()
+    for layer in stage:
+        if isinstance(layer, ShardableBlock):
+            check_splits(layer, ranks)
+    parallelize_module(stage, mesh, stage_plan(stage, sequence_parallel, gather_logits))
     for layer in stage:
         if isinstance(layer, ShardableBlock):
             layer.layer.self_attn.tp_rank, layer.layer.self_attn.tp = rank, ranks
