@@ -37,7 +37,7 @@ def check_split_and_gather(split_rows: Callable, gather_rows: Callable,
         batch = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
         library = split(batch, m)
         expected = [len(c) for c in library]
-        with withheld(split, gather, namespace=namespace):
+        with withheld(split, gather):
             mine = split_rows(batch, m)
             joined = gather_rows(list(library))
         _require(isinstance(mine, (list, tuple)) and len(mine) == m,
@@ -58,7 +58,7 @@ def check_split_and_gather(split_rows: Callable, gather_rows: Callable,
     batch = torch.randn(10, 3)
     with torch.no_grad():
         whole = tiny(batch)
-        with withheld(split, gather, namespace=namespace):
+        with withheld(split, gather):
             pieces = gather_rows([tiny(part) for part in split_rows(batch, 4)])
     _require(pieces.shape == whole.shape and torch.allclose(pieces, whole, atol=1e-6),
              "running a model on each micro-batch and gathering the outputs must give the "
@@ -96,7 +96,7 @@ def check_accumulate(accumulate_gradients: Callable, namespace: Namespace = None
         sizes = [len(c) for c in split(batch, m)]
         where = f"{rows} rows in {m} micro-batches of {sizes} rows"
         watched = _Watched(tiny)
-        with withheld(loss_weights, namespace=namespace):
+        with withheld(loss_weights):
             loss = accumulate_gradients(watched, batch, target, m)
         forwards = [n for what, n in watched.log if what == "forward"]
         _require(forwards == sizes,
@@ -137,13 +137,13 @@ def check_bubble_formulas(naive_utilisation: Callable, fewest_microbatches: Call
     expected = {p: 1 - simulate(gpipe(p, 1)).bubble_fraction() for p in range(1, 9)}
     library = (simulate, bubble_theory)
     for p, simulated in expected.items():
-        with withheld(*library, namespace=namespace):
+        with withheld(*library):
             mine = naive_utilisation(p)
         _require(isinstance(mine, (int, float)) and abs(mine - simulated) < 1e-9,
                  f"naive_utilisation({p}) = {mine!r}, but in the simulated naive step each "
                  f"device computes {simulated:.3f} of the time (utilisation, not idle time)")
     for p, target in FEWEST_CASES:
-        with withheld(*library, namespace=namespace):
+        with withheld(*library):
             m = fewest_microbatches(p, target)
         _require(isinstance(m, int) and m >= 1,
                  f"fewest_microbatches({p}, {target}) must be a whole number >= 1, got {m!r}")
@@ -168,7 +168,7 @@ def check_unequal_gpipe(gpipe_step_time: Callable, namespace: Namespace = None) 
     for forward, backward, m in STEP_CASES:
         expected = simulate(gpipe(len(forward), m), forward=forward,
                             backward=backward).makespan
-        with withheld(simulate, gpipe, "pipeline_lib.schedules", namespace=namespace):
+        with withheld(simulate, gpipe, "pipeline_lib.schedules"):
             mine = gpipe_step_time(list(forward), list(backward), m)
         _require(isinstance(mine, (int, float)) and math.isfinite(mine),
                  f"gpipe_step_time must return a number, got {mine!r}")

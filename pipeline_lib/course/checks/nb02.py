@@ -85,7 +85,7 @@ def on_pipe(schedule: Schedule) -> Callable:
 
 def _by_hand(builder: Callable, call: str, p: int, m: int, namespace: Namespace,
              v: int | None = None) -> Schedule:
-    with withheld(*(BUILDER_FUNCTIONS if v else WITH_BLOCK), namespace=namespace):
+    with withheld(*(BUILDER_FUNCTIONS if v else WITH_BLOCK)):
         schedule = builder(p, m) if v is None else builder(p, m, v)
     problem = schedule_problem(schedule, call, p, m, v or 1)
     _require(not problem, problem)
@@ -222,7 +222,7 @@ def check_stage_loop(stage_loop: Callable, namespace: Namespace = None) -> None:
     model trains as unpipelined, under GPipe, 1F1B and ZB-H1 (I and W)."""
     for schedule in (gpipe(3, 4), one_f_one_b(3, 4), zb_h1(3, 4)):
         ran: list[list[Action]] = []
-        with withheld("pipeline_lib.threaded", "pipeline_lib.executor", namespace=namespace):
+        with withheld("pipeline_lib.threaded", "pipeline_lib.executor"):
             gap = differences_from_unpipelined(run_stage_threads(stage_loop, schedule, ran))
         for s, (mine, program) in enumerate(zip(ran, schedule.actions)):
             _require(mine == list(program),
@@ -244,7 +244,7 @@ def check_peak_held(peak_held: Callable, namespace: Namespace = None) -> None:
         schedule = builder(p, m, v) if v > 1 else builder(p, m)
         expected = [n / v for n in simulate(schedule).peak_in_flight()]
         for r, program in enumerate(schedule.actions):
-            with withheld(simulate, *WITH_BLOCK, namespace=namespace):
+            with withheld(simulate, *WITH_BLOCK):
                 mine = peak_held(list(program), v)
             _require(isinstance(mine, (int, float)) and abs(mine - expected[r]) < 1e-9,
                      f"{schedule.name}, p = {p}, m = {m}: rank {r}'s peak is {expected[r]:g} "

@@ -46,7 +46,7 @@ def check_zb_h1_bubble(zb_h1_bubble: Callable, namespace: Namespace = None) -> N
             schedule = zb_h1(p, 3 * p)
             timeline = simulate(schedule, forward=f, backward=i + w, weight=w)
             simulated = max(r.bubble for r in rank_facts(schedule, timeline))
-            with withheld(simulate, rank_facts, *SCHEDULE_FUNCTIONS, namespace=namespace):
+            with withheld(simulate, rank_facts, *SCHEDULE_FUNCTIONS):
                 yours = zb_h1_bubble(p, f, i, w)
             _require(isinstance(yours, (int, float)),
                      f"zb_h1_bubble must return a number, got {yours!r}")
@@ -69,7 +69,7 @@ def check_my_zb_h1(my_zb_h1: Callable, namespace: Namespace = None) -> None:
     peak, and ZB-H1's step time; the builders are withheld."""
     costs = dict(forward=1, backward=2, weight=1)
     for p, m in ZB_SIZES:
-        with withheld(*SCHEDULE_FUNCTIONS, namespace=namespace):
+        with withheld(*SCHEDULE_FUNCTIONS):
             mine = my_zb_h1(p, m)
         _require(isinstance(mine, Schedule), f"return a Schedule, got {type(mine).__name__}")
         _require((mine.ranks, mine.microbatches) == (p, m),
@@ -140,7 +140,7 @@ def check_input_then_weight(input_then_weight: Callable, namespace: Namespace = 
         hook = stage.register_forward_hook(lambda module, args, out: forwards.append(out))
         try:
             with _watched_grad(namespace) as calls, \
-                    withheld("pipeline_lib.split_backward", namespace=namespace):
+                    withheld("pipeline_lib.split_backward"):
                 answer = input_then_weight(stage, x, g)
         finally:
             hook.remove()

@@ -104,7 +104,7 @@ def check_fastest_balance(fastest_balance: Callable[[list[float], int], Any],
               for costs in UNEVEN_COSTS]
     expected = [optimal_split(costs, k) for _, costs, k, _, _ in cases]   # before withheld
     for (case, costs, k, rel, unit), best in zip(cases, expected):
-        with withheld(*_ANSWERS, namespace=namespace):
+        with withheld(*_ANSWERS):
             answer = fastest_balance(list(costs), k)
         _compare(_checked_balance(answer, costs, k, case), costs, best, case, rel, unit)
 
@@ -130,7 +130,7 @@ def check_token_weighted_loss(token_weighted_loss: Callable[[Any, torch.Tensor, 
         with torch.no_grad():
             batches = [get_batch(short, i, bptt) for i in range(0, short.size(1) - 1, bptt)]
             batch_means = [lm_loss(model(x), y).item() for x, y in batches]
-        with withheld(evaluate, namespace=namespace):
+        with withheld(evaluate):
             mine = token_weighted_loss(model, short, bptt)
     finally:
         model.train(was_training)
@@ -196,6 +196,6 @@ def check_partitioner(partition: Callable[[list[float], int], Any],
         slow = (f"{case}: your function ran longer than {seconds:g} s. Trying every balance "
                 f"means {math.comb(len(costs) - 1, k - 1):,} of them; find the smallest "
                 f"achievable slowest stage without listing them")
-        with withheld(*_ANSWERS, namespace=namespace), _time_limit(seconds, slow):
+        with withheld(*_ANSWERS), _time_limit(seconds, slow):
             answer = partition(list(costs), k)
         _compare(_checked_balance(answer, costs, k, case), costs, best, case, 1e-9, "")

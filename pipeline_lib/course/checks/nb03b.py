@@ -114,8 +114,7 @@ def check_running_means(predict: Callable[[torch.Tensor, int, float], Any],
     for (x, chunks, momentum), (plain, deferred) in zip(cases, expected):
         sizes = [len(c) for c in split(x, chunks)]
         case = f"{len(x)} rows in micro-batches of {sizes}, momentum {momentum}"
-        with withheld(Pipe, ClassicPipe, DeferredBatchNorm, ClassicDeferredBatchNorm,
-                      namespace=namespace):
+        with withheld(Pipe, ClassicPipe, DeferredBatchNorm, ClassicDeferredBatchNorm):
             answer = predict(x.clone(), chunks, momentum)
         if not (isinstance(answer, tuple) and len(answer) == 2
                 and all(isinstance(a, torch.Tensor) for a in answer)):

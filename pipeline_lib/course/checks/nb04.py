@@ -103,7 +103,7 @@ def check_4_1(scattered_chunked_loss: Callable[..., Any],
         leaf, generator, body = (features.clone().requires_grad_(),
                                  copy.deepcopy(start_generator), [])
         mine = _CountedBody.apply(leaf, body)      # the decoder output, as in a real model
-        with withheld(*_withheld_4_1(), namespace=namespace):
+        with withheld(*_withheld_4_1()):
             loss = float(scattered_chunked_loss(mine, generator, target, devices, chunk))
         calls = list(start_generator.calls)
         _check_calls(calls, id(generator), rows, positions, len(devices), chunk, setup)
@@ -214,7 +214,7 @@ def check_4_2(average_gradients: Callable[[list[nn.Module]], None],
     replicas = replicate(tiny, ["cpu"] * 3)
     for replica, rows, targets in zip(replicas, tokens.chunk(3), next_tokens.chunk(3)):
         lm_loss(replica(rows), targets).backward()
-    with withheld(reduce_gradients, namespace=namespace):
+    with withheld(reduce_gradients):
         average_gradients(replicas)
     for name, expected in one_model.named_parameters():
         grads = [dict(r.named_parameters())[name].grad for r in replicas]
@@ -296,7 +296,7 @@ def check_4_3(vocab_parallel_cross_entropy: Callable[..., Tensor],
         mine = features.clone().requires_grad_()
         shards = vocab_shards(decoder, sizes)
         largest = LargestTensor()
-        with withheld(vocab_shards, namespace=namespace), largest:
+        with withheld(vocab_shards), largest:
             loss = vocab_parallel_cross_entropy(mine, shards, target)
             _require(isinstance(loss, Tensor) and loss.dim() == 0 and loss.requires_grad,
                      f"return the mean loss as a 0-dim tensor still attached to the graph "

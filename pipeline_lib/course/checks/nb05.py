@@ -134,7 +134,7 @@ def check_5_1(place_ranks: Callable[..., Any], namespace: dict[str, Any] | None 
     for job, (all_reduce, pipeline) in jobs_5_1().items():
         best = cheapest_grid(cluster, 2, 2, all_reduce, pipeline)
         least = communication_seconds(cluster, best, all_reduce, pipeline)
-        with withheld(cheapest_grid, communication_seconds, namespace=namespace):
+        with withheld(cheapest_grid, communication_seconds):
             grid = place_ranks(all_reduce, pipeline, cluster.fast, cluster.slow)
         _require(isinstance(grid, (tuple, list)) and len(grid) == 2,
                  f"return a tuple (pipelines, dp_groups), got {grid!r}")
@@ -237,7 +237,7 @@ def _torch_clipping_withheld(namespace: dict[str, Any] | None) -> Iterator[None]
     with contextlib.ExitStack() as stack:
         functions = [getattr(torch.nn.utils, n) for n in _TORCH_CLIPPING
                      if hasattr(torch.nn.utils, n)]
-        stack.enter_context(withheld(*functions, namespace=namespace))
+        stack.enter_context(withheld(*functions))
         for module in (torch.nn.utils, clip_grad):
             for name in _TORCH_CLIPPING:
                 if hasattr(module, name):
@@ -267,7 +267,7 @@ def check_5_3(clip_global: Callable[..., Any], namespace: dict[str, Any] | None 
         expected = {n: p.grad.clone() for n, p in model.named_parameters()}
         grads = mesh_gradients(model, cuts, inputs, targets, dp)
         setup = f"{dp} replicas × {len(cuts) - 1} pipeline ranks, max_norm {max_norm:.3f} ({what})"
-        with withheld(grad_clip.clip_grad_norm_, namespace=namespace), \
+        with withheld(grad_clip.clip_grad_norm_), \
                 _torch_clipping_withheld(namespace):
             got = clip_global(grads, max_norm)
         _require(isinstance(got, (float, int, Tensor)),
