@@ -163,9 +163,9 @@ def test_2_2_right_answer_from_the_warm_up_passes():   # p - 1 - s forwards, the
     (lambda p, m: one_f_one_b_by_hand(p, m, lambda p, s: p), "simulated bubble"),
     (lambda p, m: one_f_one_b_by_hand(p, m, lambda p, s: 1), "simulated bubble"),
     (gpipe_by_hand, "1F1B holds"),
-    (backwards_newest_first, "not a schedule"),
+    (backwards_newest_first, "simulated bubble"),
     (lambda p, m: one_f_one_b_by_hand(p, m, lambda p, s: p - s + 1), "1F1B holds"),
-    (lambda p, m: one_f_one_b_by_hand(p, m, lambda p, s: s + 1), "simulated bubble"),
+    (lambda p, m: one_f_one_b_by_hand(p, m, lambda p, s: s + 1), "not a schedule"),
 ])
 def test_2_2_wrong_answers_fail(answer, says):
     fails(EX_2_2, nb02.check_one_f_one_b, answer, says=says)
