@@ -65,20 +65,22 @@ class Path90:
 
 
 def sections(nb: nbformat.NotebookNode) -> tuple[Section, list[Section]]:
-    """The first cell's part and the notebook's sections, in order."""
+    """The first cell's part and the notebook's sections, in order: a markdown cell's
+    words go to the heading above them, in that cell or an earlier one."""
     intro, found = Section("(introduction)"), []
     current = intro
-    for cell in nb.cells:
-        if cell.cell_type == "markdown":
-            heading = re.search(r"^(### Exercise|## )\s*(.+)$", cell.source, re.MULTILINE)
-            if heading and cell is not nb.cells[0]:
+    for k, cell in enumerate(nb.cells):
+        if cell.cell_type != "markdown":
+            current.code_cells += 1
+            continue
+        for line in cell.source.splitlines():
+            heading = re.match(r"(### Exercise|## )\s*(.+)$", line)
+            if heading and k > 0:
                 exercise = heading.group(1) == "### Exercise"
                 current = Section(("Exercise " if exercise else "") + heading.group(2).strip(),
                                   exercise=exercise)
                 found.append(current)
-            current.words += len(cell.source.split())
-        else:
-            current.code_cells += 1
+            current.words += len(line.split())
     return intro, found
 
 
