@@ -183,13 +183,17 @@ def test_2_2_library_shortcut_fails(answer):
 
 
 # 2.3 ---------------------------------------------------------------------------------
-def stage_loop(runner, program, mail, stages, inputs, targets, order=None, as_b=False):
+def stage_loop(runner, program, mail, stages, inputs, targets, order=None, as_b=False,
+               back=-1, sent=lambda t: t, returned=lambda g: g):
+    """The solution, with switches for the usual mistakes: another order, I run as B,
+    the input gradient sent to another stage (``back``), an activation or a gradient
+    changed on its way (``sent``, ``returned``)."""
     for s, kind, i in (order(program) if order else program):
         if kind == "F":
             x = inputs[i] if s == 0 else mail.get(("activation", s, i))
             y = runner.forward(i, x, targets[i] if s == stages - 1 else None)
             if s < stages - 1:
-                mail.put(("activation", s + 1, i), y)
+                mail.put(("activation", s + 1, i), sent(y))
         elif kind == "W":
             if not as_b:
                 runner.backward_weight(i)
@@ -198,44 +202,11 @@ def stage_loop(runner, program, mail, stages, inputs, targets, order=None, as_b=
             backward = runner.backward if kind == "B" or as_b else runner.backward_input
             grad_in = backward(i, grad)
             if s > 0:
-                mail.put(("gradient", s - 1, i), grad_in)
+                mail.put(("gradient", s + back, i), returned(grad_in))
 
 
 def forwards_then_backwards(program):        # ignores the program's order
     return sorted(program, key=lambda a: (a.kind != "F", a.kind == "W"))
-
-
-def stage_loop_gradient_forward(runner, program, mail, stages, inputs, targets):
-    for s, kind, i in program:                 # sends the input gradient to s + 1
-        if kind == "F":
-            x = inputs[i] if s == 0 else mail.get(("activation", s, i))
-            y = runner.forward(i, x, targets[i] if s == stages - 1 else None)
-            if s < stages - 1:
-                mail.put(("activation", s + 1, i), y)
-        elif kind == "W":
-            runner.backward_weight(i)
-        else:
-            grad = None if s == stages - 1 else mail.get(("gradient", s, i))
-            grad_in = (runner.backward if kind == "B" else runner.backward_input)(i, grad)
-            if s > 0:
-                mail.put(("gradient", s + 1, i), grad_in)
-
-
-def stage_loop_detached(runner, program, mail, stages, inputs, targets):
-    for s, kind, i in program:                 # sends its activation detached and
-        if kind == "F":                        # gives back zeros as the input gradient
-            x = inputs[i] if s == 0 else mail.get(("activation", s, i))
-            y = runner.forward(i, x, targets[i] if s == stages - 1 else None)
-            if s < stages - 1:
-                mail.put(("activation", s + 1, i), y.detach())
-        elif kind == "W":
-            runner.backward_weight(i)
-        else:
-            grad = None if s == stages - 1 else mail.get(("gradient", s, i))
-            grad_in = (runner.backward if kind == "B" else runner.backward_input)(i, grad)
-            if s > 0:
-                mail.put(("gradient", s - 1, i), None if grad_in is None
-                         else grad_in.mul(0))
 
 
 def test_2_3_solution_passes():
@@ -249,8 +220,9 @@ def test_2_3_solution_passes():
     (lambda r, program, *a: None, "computed no loss"),
     (lambda *a: stage_loop(*a, order=lambda program: [x for x in program if x.kind != "W"]),
      "but its program is"),                               # the Ws dropped
-    (stage_loop_gradient_forward, "TimeoutError"),
-    (stage_loop_detached, "gradient differs"),
+    (lambda *a: stage_loop(*a, back=+1), "TimeoutError"),     # the gradient sent to s + 1
+    (lambda *a: stage_loop(*a, returned=lambda g: g * 0), "gradient differs"),
+    (lambda *a: stage_loop(*a, sent=lambda t: t * 2), "the loss is"),
 ])
 def test_2_3_wrong_answers_fail(answer, says):
     fails(EX_2_3, nb02.check_stage_loop, answer, says=says)
@@ -369,3 +341,37 @@ def test_2_5_wrong_answers_fail(answer, says):
 ])
 def test_2_5_library_shortcut_fails(answer):
     fails(EX_2_5, nb02.check_interleaved, answer, says="your code calls")
+
+
+# the check's mailbox ---------------------------------------------------------------------
+def test_mail_reports_a_deadlock_at_once_and_waits_for_a_slow_sender():
+    """A message no stage can send any more is an error as soon as every stage waits (not
+    after a patience a loaded machine could exceed); a slow sender is waited for."""
+    import threading
+    import time
+
+    mail, raised = nb02.Mail(2, patience=60), []
+
+    def waits(key):
+        try:
+            mail.get(key)
+        except TimeoutError as error:
+            raised.append(str(error))
+        finally:
+            mail.finished()
+    started = time.monotonic()
+    threads = [threading.Thread(target=waits, args=(k,)) for k in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert time.monotonic() - started < 10 and len(raised) == 2
+    assert "'a'" in "".join(raised) and "will never come" in raised[0]
+
+    mail, got = nb02.Mail(2, patience=60), []
+    receiver = threading.Thread(target=lambda: got.append(mail.get("x")))
+    receiver.start()
+    time.sleep(0.5)                   # the sender computes: the receiver keeps waiting
+    mail.put("x", 42)
+    receiver.join()
+    assert got == [42]

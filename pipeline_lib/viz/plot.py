@@ -126,8 +126,8 @@ def gantt(timeline: Timeline, ax: Axes | None = None, title: str | None = None,
         width, height = _axes_points(ax)
         two_lines = 0.8 * height / timeline.ranks >= 2.5 * LABEL_POINTS
         for e in timeline.events:
-            if not shown[0] <= (e.start + e.duration / 2) * scale <= shown[1]:
-                continue
+            if not shown[0] <= e.start * scale <= e.end * scale <= shown[1]:
+                continue                                  # labels for whole boxes only
             box_points = e.duration * scale / (shown[1] - shown[0]) * width
             k = virtual[e.rank, e.action.stage]
             colour = "white" if k == 0 else "black"

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import copy
 import numbers
-import queue
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -144,26 +144,56 @@ def check_one_f_one_b(one_f_one_b_by_hand: Callable) -> None:
 
 
 class Mail:
-    """Messages between stage threads, by key: `put` never waits; `get` waits for its key,
-    up to ``patience`` seconds, so a message nobody sends is an error, not a hang."""
+    """Messages between ``stages`` stage threads, by key: `put` never waits; `get` waits
+    for its key. A message nobody can send any more is an error, not a hang: when every
+    stage thread is waiting in `get` or has ended (`finished`), none of the missing
+    messages can come, and `get` raises `TimeoutError` at once, naming its key; so does a
+    wait longer than ``patience`` seconds. A slow machine never makes a right loop fail."""
 
-    def __init__(self, patience: float = 3.0):
-        self.patience, self.lock = patience, threading.Lock()
-        self.boxes: dict[Any, queue.Queue] = defaultdict(queue.Queue)
-
-    def _box(self, key: Any) -> queue.Queue:
-        with self.lock:
-            return self.boxes[key]
+    def __init__(self, stages: int, patience: float = 60.0):
+        self.stages, self.patience = stages, patience
+        self.cond = threading.Condition()
+        self.boxes: dict[Any, list[Any]] = defaultdict(list)
+        self.wanted: dict[int, Any] = {}      # thread -> the key it waits for
+        self.ended = 0
 
     def put(self, key: Any, value: Any) -> None:
-        self._box(key).put(value)
+        with self.cond:
+            self.boxes[key].append(value)
+            self.cond.notify_all()
+
+    def finished(self) -> None:
+        """A stage thread ended (it sends nothing more)."""
+        with self.cond:
+            self.ended += 1
+            self.cond.notify_all()
+
+    def _stuck(self) -> bool:
+        """Whether no stage can send anything more: each has ended, or waits for a key
+        with nothing in its box."""
+        blocked = sum(1 for wanted in self.wanted.values() if not self.boxes[wanted])
+        return blocked + self.ended >= self.stages
 
     def get(self, key: Any) -> Any:
-        try:
-            return self._box(key).get(timeout=self.patience)
-        except queue.Empty:
-            raise TimeoutError(f"waited {self.patience} s for a message with key {key!r}, "
-                               f"which no stage sent") from None
+        deadline, me = time.monotonic() + self.patience, threading.get_ident()
+        with self.cond:
+            self.wanted[me] = key
+            try:
+                while not self.boxes[key]:
+                    if self._stuck():
+                        raise TimeoutError(f"every stage is waiting for a message or has "
+                                           f"ended, so the message with key {key!r}, which "
+                                           f"this stage waits for, will never come: no "
+                                           f"stage sent it")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"waited {self.patience:g} s for a message with "
+                                           f"key {key!r}, which no stage sent")
+                    self.cond.wait(left)
+                return self.boxes[key].pop(0)
+            finally:
+                del self.wanted[me]
+                self.cond.notify_all()
 
 
 class _Watched:
@@ -202,13 +232,15 @@ def run_stage_threads(loop: Callable, schedule: Schedule,
                                loss_weights=loss_weights(targets), input_as_given=s == 0)
                    for s in range(p)]
         watched = [_Watched(runner) for runner in runners]
-        mail, errors = Mail(), []
+        mail, errors = Mail(p), []
 
         def thread(s: int) -> None:
             try:
                 loop(watched[s], schedule.actions[s], mail, p, inputs, targets)
             except Exception as error:
                 errors.append(error)
+            finally:
+                mail.finished()
 
         threads = [threading.Thread(target=thread, args=(s,)) for s in range(p)]
         for t in threads:
