@@ -355,9 +355,10 @@ def dualpipe_v(ranks: int, microbatches: int) -> Schedule:
     is credited in DeepSeek's DualPipe repository (github.com/deepseek-ai/DualPipe,
     README) to Sea AI Lab. The steady state pairs a forward of one virtual stage with a
     full backward of the other (``F&B``); DualPipe overlaps the two so that one's
-    communication hides under the other's compute. Our executors run one action at a time, so a pair is an F, then a B.
-    The start fills the V with split backwards (I, then the W at once); the end splits the
-    backwards again and runs the Ws where the rank would otherwise wait.
+    communication hides under the other's compute. Our executors run one action at a time,
+    so a pair is an F, then a B. The start fills the V with split backwards (I, then the W
+    at once); the end splits the backwards again and runs the Ws where the rank would
+    otherwise wait.
     """
     _check_sizes(ranks, microbatches)
     p, m = ranks, microbatches

@@ -88,8 +88,8 @@ def test_2b_2_solution_passes():
     (lambda p, m: my_zb_h1(p, m, ahead=lambda p, s: p), "a rank holds"),
     (lambda p, m: my_zb_h1(p, m, lag=lambda p, s: p - s), "a rank holds"),
     (lambda p, m: my_zb_h1(p, m, ahead=lambda p, s: p - s - 1), "not valid"),
-    (lambda p, m: my_zb_h1(p, m) if (p, m) in nb02b.ZB_SIZES else my_zb_h1(p, m, lag=lambda p, s: 0),
-     "weight lag"),                                 # right on the shown sizes only
+    (lambda p, m: my_zb_h1(p, m) if (p, m) in nb02b.ZB_SIZES
+     else my_zb_h1(p, m, lag=lambda p, s: 0), "weight lag"),   # right on the shown sizes only
 ])
 def test_2b_2_wrong_answers_fail(answer, says):
     fails(EX_2, nb02b.check_my_zb_h1, answer, says=says)

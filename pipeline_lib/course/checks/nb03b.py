@@ -7,9 +7,10 @@ stash: a stash that detaches its tensor, or passes it some other way than ``stas
 means with those a `Pipe` leaves, measured before the learner's call, on batches that
 `Pipe` splits unevenly (11 rows in 4 micro-batches: 3, 3, 3, 2), so that weighing
 micro-batches equally gives another number, and on batches of sizes drawn for every run
-(no message prints the running means the pipeline leaves). Both `Pipe`s and both `DeferredBatchNorm`s
-(the classic API's is a subclass, a class of its own) are refused during the learner's
-call: running them is what the prediction must do without. A plain ``nn.BatchNorm1d`` is
+(no message prints the running means the pipeline leaves). Both `Pipe`s and both
+`DeferredBatchNorm`s (the classic API's is a subclass, a class of its own) are refused
+during the learner's call, however reached: running them is what the prediction must do
+without. A plain ``nn.BatchNorm1d`` is
 not: feeding it the rows each update sees is the prediction.
 """
 from __future__ import annotations

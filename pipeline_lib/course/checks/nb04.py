@@ -242,7 +242,8 @@ def _check_average(average_gradients: Callable[[list[nn.Module]], None], count: 
         ratio = (grads[0].norm() / expected.grad.norm()).item()
         _require(torch.allclose(grads[0], expected.grad, rtol=1e-4, atol=1e-6),
                  f"{count} replicas, {name}: the replicas' gradient is {ratio:.2f} times "
-                 f"one model's on the whole batch (norms); each replica's loss is already a mean over its rows, "
+                 f"one model's on the whole batch (norms); each replica's loss is already a "
+                 f"mean over its rows, "
                  f"so the replicas' gradients are averaged (divided by {len(replicas)}), "
                  f"not summed")
         _require(len({g.data_ptr() for g in grads}) == len(grads),
