@@ -305,8 +305,8 @@ def interleaved_reversed_stages(p, m, v):      # forwards through the last virtu
     return Schedule("x", p, m, programs, virtual_stages=v)
 
 
-def interleaved_for_two_ranks_only(p, m, v):   # right at the shown p = 2 only
-    assert p == 2 or (p, m, v) in {(4, 8, 2), (3, 6, 3), (4, 12, 2)}, "two ranks only"
+def interleaved_for_two_ranks_only(p, m, v):   # right at the shown sizes only
+    assert (p, m, v) in nb02.INTERLEAVED_CASES, "two ranks only"
     return interleaved_by_hand(p, m, v)
 
 

@@ -124,7 +124,8 @@ def test_3b_2_micro_batches_by_chunk_fail_where_chunk_and_split_differ(monkeypat
 
 
 def plain_table(x, chunks, momentum):         # right on the notebook's two batches only
-    assert (len(x), chunks) in {(11, 4), (8, 3)}, "only the shown batches"
+    assert (len(x), x.size(1), chunks, momentum) in {(11, 3, 4, 0.1), (8, 2, 3, 0.3)}, \
+        "only the shown batches"
     return solution(x, chunks, momentum)
 
 
