@@ -19,7 +19,7 @@ flags that layers read).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -28,12 +28,10 @@ from pipeline_lib import split_backward, tree
 from pipeline_lib.checkpoint import checkpointed, checkpointing, recomputing
 from pipeline_lib.deprecation import renamed_keywords
 from pipeline_lib.loss import MicroLoss, micro_loss
-from pipeline_lib.rng import microbatch_rng, seed_for
+from pipeline_lib.rng import RandomStream, seed_for, shared_rng
 from pipeline_lib.skip import SkipKey, SkipTracker, describe, use_tracker
 
 LossFn = Callable[[Any, Any], Any]   # -> a mean-reduced loss, or SumCount(loss_sum, count)
-# (seed, device) -> the block in which a micro-batch draws its random numbers
-RandomStream = Callable[[int, torch.device], ContextManager[None]]
 
 
 def detach_as_leaf(value: Any) -> Any:
@@ -75,9 +73,9 @@ class StageRunner:
     output into micro-batch i's share of the batch loss: ``loss_fn(out, target) * w_i``
     for a mean-reduced loss (see `microbatch.loss_weights`), or the ``loss_sum`` of a
     ``SumCount(loss_sum, count)``, unscaled (see `pipeline_lib.loss`). ``losses[i]`` keeps
-    ``(that value, count or None)``, detached.
+    that value, detached, as a `loss.MicroLoss` (with the count, or None).
 
-    ``rng`` gives each micro-batch its random stream (`rng.microbatch_rng`, or
+    ``rng`` gives each micro-batch its random stream (`rng.shared_rng`, or
     `rng.owned_rng` where one thread runs every stage of the process). ``input_as_given``:
     the input comes from the caller (not from another stage) and is used as it is: not
     detached, and no gradient is computed for it (``first`` is its deprecated name).
@@ -94,7 +92,7 @@ class StageRunner:
     def __init__(self, stage: int, module: nn.Module, device: torch.device,
                  checkpoint: str, microbatches: int, step_seed: int,
                  loss_fn: LossFn | None = None, loss_weights: list[float] | None = None,
-                 input_as_given: bool = False, rng: RandomStream = microbatch_rng):
+                 input_as_given: bool = False, rng: RandomStream = shared_rng):
         self.stage, self.module, self.device = stage, module, device
         self.checkpoint, self.microbatches, self.step_seed = checkpoint, microbatches, step_seed
         self.loss_fn, self.loss_weights = loss_fn, loss_weights
@@ -117,15 +115,16 @@ class StageRunner:
         """The stage's output (its weighted loss on the last stage) and the tensors it
         stashed for later stages."""
         tracker = SkipTracker(self.skips_in[microbatch])
-        with (self.rng(seed_for(self.step_seed, self.stage, microbatch), self.device),
-              use_tracker(tracker)):
+        with (self.rng(seed_for(self.step_seed, self.stage, microbatch), self.device,
+                       self.module), use_tracker(tracker)):
             out = self.module(_owned(self.inputs[microbatch], copy))
             if self.last:
-                loss, count = micro_loss(self.loss_fn(out, self.targets[microbatch]),
-                                         microbatch, need_grad=torch.is_grad_enabled(),
-                                         output=out)
-                out = loss * self.loss_weights[microbatch] if count is None else loss
-                self.losses.setdefault(microbatch, (out.detach(), count))   # not a replay's
+                loss = micro_loss(self.loss_fn(out, self.targets[microbatch]), microbatch,
+                                  need_grad=torch.is_grad_enabled(), output=out)
+                out = loss.value * self.loss_weights[microbatch] if loss.count is None \
+                    else loss.value
+                # (a replay's loss is not kept: the first pass's is)
+                self.losses.setdefault(microbatch, loss._replace(value=out.detach()))
         return out, tracker.stashed
 
     def forward(self, microbatch: int, inputs: Any, target: Any = None,

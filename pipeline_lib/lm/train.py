@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -42,7 +43,7 @@ from pipeline_lib.lm.loops import batch_starts, lm_loss, lr_at, seed_everything
 from pipeline_lib.lm.model import PRESETS, transformer_lm
 from pipeline_lib.lm.pipeline_eval import evaluate_pipeline
 from pipeline_lib.partition import balance_by_params, balance_by_time
-from pipeline_lib.schedules import BUILDERS, stages_per_rank
+from pipeline_lib.schedules import BUILDERS, Schedule, plan, stages_per_rank
 from pipeline_lib.timeline import simulate_measured
 
 
@@ -250,21 +251,40 @@ def _precision(dtype: str, device: torch.device) -> Precision:
     return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-def _balance(model: nn.Module, sample: tuple[torch.Tensor, torch.Tensor], stages: int,
-             by: str, device: torch.device, precision: Precision) -> list[int]:
-    """Timing is noisy, so rank 0 measures and every rank uses its answer. It measures on
-    its own device, in the run's precision, with the loss on the last layer: layer times
-    on a CPU say little about a GPU's, where the output layer and the loss dominate."""
+def _balance(shapes: nn.Sequential, build: Callable[[], nn.Sequential],
+             sample: tuple[torch.Tensor, torch.Tensor], stages: int, by: str,
+             device: torch.device, precision: Precision) -> tuple[list[int], str]:
+    """The balance, and how it was found, for the log: by the parameters of ``shapes``
+    (the model on the meta device), or by time.
+
+    Timing is noisy, so rank 0 measures and every rank uses its answer. It measures a
+    model made by ``build`` on its own device (its weights are drawn there, and the
+    random generators put back after: the run's weights come from the seed as if
+    nothing had been timed), in the run's precision, with the loss on the last layer:
+    layer times on a CPU say little about a GPU's, where the output layer and the loss
+    dominate. The rank that logs is another one: the answer names rank 0's device."""
     if by == "params":
-        return balance_by_params(model, stages)
+        return balance_by_params(shapes, stages), "by params"
     answer = [None]
     if dist.get_rank() == 0:
         inputs, target = sample
-        with precision():
-            answer = [balance_by_time(model, inputs, stages, device=device, loss_fn=lm_loss,
-                                      target=target)]
+        gpus = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(gpus):
+            with torch.device(device):
+                model = build()
+            with precision():
+                timed = balance_by_time(model, inputs, stages, device=device,
+                                        loss_fn=lm_loss, target=target)
+        answer = [(timed, f"by time on {device} of rank 0")]
     dist.broadcast_object_list(answer, src=0)
     return answer[0]
+
+
+def _layers_on(schedule: Schedule, balance: list[int], pipe_rank: int) -> set[int]:
+    """The layers of the stages that ``schedule`` places on ``pipe_rank``."""
+    starts = list(itertools.accumulate(balance, initial=0))
+    return {layer for s in range(len(balance)) if schedule.rank_of(s) == pipe_rank
+            for layer in range(starts[s], starts[s + 1])}
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -290,15 +310,21 @@ def main(argv: list[str] | None = None) -> None:
             held.enter_context(run_state.claimed(args.save))
         source, valid, vocab = _tokens(args, mesh.rank)
         seed_everything(args.seed)
-        model = transformer_lm(vocab, args.preset)
-        parameters = sum(p.numel() for p in model.parameters())
+        with torch.device("meta"):   # the layers' shapes: no memory, no random draw
+            shapes = transformer_lm(vocab, args.preset)
+        parameters = sum(p.numel() for p in shapes.parameters())
         stages = args.pp * stages_per_rank(args.schedule, args.virtual_stages)
         precision = _precision(args.dtype, mesh.device)
         rows = max(1, args.batch // (args.dp * args.microbatches))   # one micro-batch
         sample = tuple(t[:rows] for t in get_batch(source, 0, args.bptt))
-        balance = _balance(model, sample, stages, args.balance, mesh.device, precision)
+        balance, balanced = _balance(shapes, lambda: transformer_lm(vocab, args.preset),
+                                     sample, stages, args.balance, mesh.device, precision)
+        # this rank's layers only, with the weights the whole model gets from the seed
+        mine = _layers_on(plan(args.schedule, args.pp, stages, args.microbatches), balance,
+                          mesh.pipe_rank)
+        model = transformer_lm(vocab, args.preset, layers=mine)
         pipe = DistributedPipe(model, mesh, balance, args.microbatches, args.schedule, args.checkpoint)
-        del model   # this rank keeps only its stages
+        del model
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
         done = run_state.resume(args.resume, pipe, balance, optimizer) if args.resume else 0
         # replica 0's rank holding the last stage has the loss: the last rank on a looped
@@ -310,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
                              f"and this run has {len(starts)}: raise --steps to go on")
         if mesh.rank == logger:
             _log(f"{pipe.schedule.name}: {args.pp} pipeline ranks x {args.dp} replicas, "
-                 f"stages {balance} (by {args.balance} on {mesh.device}), {args.microbatches} "
+                 f"stages {balance} ({balanced}), {args.microbatches} "
                  f"micro-batches, {args.dtype}, {parameters:,} parameters"
                  + (f", resumed after step {done}" if args.resume else ""))
         bar = tqdm(range(done, len(starts)), desc="train", initial=done, total=len(starts),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -19,10 +19,11 @@ from pipeline_lib.checkpoint import check_mode
 from pipeline_lib.devices import stage_devices
 from pipeline_lib.executor import Stopwatch, perf_clock, run_program
 from pipeline_lib.loss import StepGradients, check_grad_mode
+from pipeline_lib.lowering import LoweredSchedule, lower, lower_forward
 from pipeline_lib.microbatch import gather, split
 from pipeline_lib.partition import group_layers
 from pipeline_lib.rng import new_step_seed, streams_for
-from pipeline_lib.schedules import BUILDERS, Action, Schedule, plan
+from pipeline_lib.schedules import BUILDERS, Schedule, plan
 from pipeline_lib.skip import SkipKey, skip_routes
 from pipeline_lib.stage import LossFn, StageRunner
 from pipeline_lib.step import batch_loss, make_runners, split_batch, train_step
@@ -33,6 +34,22 @@ from pipeline_lib.timeline import Timeline
 
 
 _claims = threading.Lock()   # guards every Pipe's ``_stepping`` flag
+LOWERINGS_KEPT = 8          # per Pipe: the schedules of the last steps, lowered
+
+
+def _content(schedule: Any) -> Hashable:
+    """What a step's lowering depends on in ``schedule``: its name, or a `Schedule`'s
+    contents (a schedule changed in place since the last step is lowered again). One
+    that cannot be hashed (not made of `Action`s) gets a key of its own: `plan` says
+    what is wrong with it."""
+    try:
+        content = schedule if not isinstance(schedule, Schedule) else (
+            schedule.name, schedule.ranks, schedule.microbatches, schedule.virtual_stages,
+            schedule.placement, tuple(map(tuple, schedule.actions)))
+        hash(content)
+    except TypeError:
+        return object()
+    return content
 
 
 def _training(stage: nn.Module) -> bool:
@@ -108,6 +125,7 @@ class Pipe(nn.Module):
         allocator.for_stages(self.devices, keep_freed_memory)
         self.partitions = nn.ModuleList(s.to(d) for s, d in zip(stages, self.devices))
         self.timeline: Timeline | None = None
+        self._lowerings: dict[Hashable, LoweredSchedule] = {}   # see `_lowered`
         self._stepping = False   # a step is running (see `_one_step_at_a_time`)
 
     def __len__(self) -> int:
@@ -130,19 +148,20 @@ class Pipe(nn.Module):
 
     # -- running programs: no half-finished state survives a failure -------------------
 
-    def _run(self, programs: list[list[Action]], runners: Mapping[int, Any],
-             inputs: list[Any], targets: list[Any], name: str) -> None:
-        """Each rank's program on a thread of its own (`executor.run_program`),
+    def _run(self, lowered: LoweredSchedule, runners: Mapping[int, Any],
+             inputs: list[Any], targets: list[Any]) -> None:
+        """Each rank's lowered program on a thread of its own (`executor.run_program`),
         recording ``self.timeline``. If it fails (a stage raised, or the caller was
         interrupted), every stage thread has stopped when it returns, and
         `DeferredBatchNorm` layers forget the mini-batch's micro-batches they have seen."""
+        programs, name = lowered.programs, lowered.schedule.name
         mailbox, last = Mailbox(), len(self.partitions) - 1
-        devices = [self.devices[program[0].stage] for program in programs]
+        devices = [self.devices[program[0].action.stage] for program in programs]
         clock = perf_clock()
         stopwatches = [Stopwatch(r, d, clock) for r, d in enumerate(devices)]
 
         def work(rank: int) -> None:
-            transport = InProcess(mailbox, self.devices, self.skip_routes, rank, devices[rank])
+            transport = InProcess(mailbox, self.devices, rank, devices[rank])
             run_program(programs[rank], runners, last, inputs, targets, transport,
                         stopwatches[rank], name)
             stopwatches[rank].events()   # on CUDA: the device's work is done here
@@ -196,8 +215,8 @@ class Pipe(nn.Module):
         outputs: dict[int, Any] = {}
         stages = {s: _Autograd(runners[s], modes, outputs if s == n - 1 else None)
                   for s in range(n)}
-        programs = [[Action(s, "F", i) for i in range(m)] for s in range(n)]
-        self._run(programs, stages, micro, [None] * m, "forward")
+        self._run(self._lowered(("forward", m), lambda: lower_forward(n, m, self.skip_routes)),
+                  stages, micro, [None] * m)
         return gather([outputs[i] for i in range(m)])
 
     # -- scheduled training step ---------------------------------------------------------
@@ -215,6 +234,15 @@ class Pipe(nn.Module):
                                  f"{schedule.rank_of(s)}, so it must be on device "
                                  f"{self.devices[first]}, not {self.devices[s]}")
         return schedule
+
+    def _lowered(self, key: Hashable, make: Callable[[], LoweredSchedule]) -> LoweredSchedule:
+        """``make()`` (a lowering) made once per ``key``: a step lowers nothing that an
+        earlier step with the same schedule and micro-batch count lowered."""
+        lowered = self._lowerings.pop(key, None) or make()
+        self._lowerings[key] = lowered   # the most recent last
+        while len(self._lowerings) > LOWERINGS_KEPT:
+            del self._lowerings[next(iter(self._lowerings))]
+        return lowered
 
     @contextlib.contextmanager
     def _one_step_at_a_time(self) -> Iterator[None]:
@@ -260,15 +288,18 @@ class Pipe(nn.Module):
     def _step(self, inputs: Any, target: Any, loss_fn: LossFn,
               schedule: str | Schedule) -> Tensor:
         check_grad_mode("Pipe.step")
-        micro_in, micro_target, weights = split_batch(inputs, target, self.chunks)
+        micro_in, micro_target, weights = split_batch(
+            inputs, target, self.chunks, pin=any(d.type == "cuda" for d in self.devices))
         m, n = len(micro_in), len(self.partitions)
-        plan = self._schedule(schedule, m)
+        lowered = self._lowered(
+            ("step", _content(schedule), m),
+            lambda: lower(self._schedule(schedule, m), self.skip_routes))
         runners = make_runners({s: (self.partitions[s], self.devices[s]) for s in range(n)},
                                n - 1, self.checkpoint, m, new_step_seed(), loss_fn,
-                               weights, rng=streams_for(plan.ranks))
+                               weights, rng=streams_for(lowered.ranks))
 
         def run() -> tuple[Tensor, float]:
-            self._run(plan.actions, runners, micro_in, micro_target, plan.name)
+            self._run(lowered, runners, micro_in, micro_target)
             return batch_loss([runners[n - 1].losses[i] for i in range(m)])
 
         return train_step(self.parameters(), run, StepGradients)
