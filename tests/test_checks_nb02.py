@@ -8,8 +8,7 @@ import pytest
 from pipeline_lib.course.checks import nb02
 from pipeline_lib.executor import run_program
 from pipeline_lib.schedules import (BUILDERS, Action, Schedule, build, gpipe,
-                                    interleaved_1f1b, one_f_one_b, one_forward_one_backward,
-                                    zb_h1)
+                                    interleaved_1f1b, one_f_one_b, one_forward_one_backward)
 from pipeline_lib import schedules
 from pipeline_lib.threaded.threads import run_threads
 from pipeline_lib.timeline import simulate

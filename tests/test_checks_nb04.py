@@ -396,4 +396,4 @@ def summed_over_tokens(features, shards, target):
     (summed_over_tokens, "your loss is"),
 ])
 def test_4_3_more_wrong_answers_fail(answer, says):
-    message = fails(check_4_3, answer, says, E43)
+    fails(check_4_3, answer, says, E43)
