@@ -243,17 +243,24 @@ def test_4_2_more_wrong_answers_fail(answer, says):
 E43 = "Exercise 4.3 (vocabulary-parallel cross-entropy)"
 
 
+def target_logits(logits, target, off_by=0):
+    """Each token's target logit, from the one shard that holds its id (``off_by``: ids
+    taken as belonging to the shard that starts ``off_by`` later, an edge bug)."""
+    picked, start = torch.zeros(len(target)), 0
+    for part in logits:
+        inside = (target >= start + off_by) & (target < start + part.size(1) + off_by)
+        local = (target - start - off_by).clamp(0, part.size(1) - 1)
+        picked = picked + torch.where(inside, part.gather(1, local[:, None])[:, 0], 0.0)
+        start += part.size(1)
+    return picked
+
+
 def vocab_parallel(features, shards, target):
     """The solution: per-token max, sum of exps and target logit, combined over shards."""
     logits = [shard(features) for shard in shards]
     top = torch.stack([part.detach().amax(dim=1) for part in logits]).amax(dim=0)
     sum_exp = sum((part - top[:, None]).exp().sum(dim=1) for part in logits)
-    picked, start = torch.zeros_like(top), 0
-    for part in logits:
-        inside = (target >= start) & (target < start + part.size(1))
-        local = (target - start).clamp(0, part.size(1) - 1)
-        picked = picked + torch.where(inside, part.gather(1, local[:, None])[:, 0], 0.0)
-        start += part.size(1)
+    picked = target_logits(logits, target)
     return (sum_exp.log() + top - picked).mean()
 
 
@@ -264,12 +271,7 @@ def whole_logits(features, shards, target):
 def no_max(features, shards, target):
     logits = [shard(features) for shard in shards]
     sum_exp = sum(part.exp().sum(dim=1) for part in logits)
-    picked, start = 0.0, 0
-    for part in logits:
-        inside = (target >= start) & (target < start + part.size(1))
-        local = (target - start).clamp(0, part.size(1) - 1)
-        picked = picked + torch.where(inside, part.gather(1, local[:, None])[:, 0], 0.0)
-        start += part.size(1)
+    picked = target_logits(logits, target)
     return (sum_exp.log() - picked).mean()
 
 
@@ -279,12 +281,7 @@ def local_maxima(features, shards, target):
     tops = [part.detach().amax(dim=1) for part in logits]
     sum_exp = sum((part - top[:, None]).exp().sum(dim=1) for part, top in zip(logits, tops))
     top = torch.stack(tops).amax(dim=0)
-    picked, start = torch.zeros_like(top), 0
-    for part in logits:
-        inside = (target >= start) & (target < start + part.size(1))
-        local = (target - start).clamp(0, part.size(1) - 1)
-        picked = picked + torch.where(inside, part.gather(1, local[:, None])[:, 0], 0.0)
-        start += part.size(1)
+    picked = target_logits(logits, target)
     return (sum_exp.log() + top - picked).mean()
 
 
@@ -317,12 +314,7 @@ def logsumexp_of_logsumexps(features, shards, target):
     """Also right: each device's logsumexp, combined by a logsumexp over the devices."""
     logits = [shard(features) for shard in shards]
     total = torch.stack([part.logsumexp(dim=1) for part in logits]).logsumexp(dim=0)
-    picked, start = torch.zeros_like(total), 0
-    for part in logits:
-        inside = (target >= start) & (target < start + part.size(1))
-        local = (target - start).clamp(0, part.size(1) - 1)
-        picked = picked + torch.where(inside, part.gather(1, local[:, None])[:, 0], 0.0)
-        start += part.size(1)
+    picked = target_logits(logits, target)
     return (total - picked).mean()
 
 
@@ -330,12 +322,7 @@ def float64_without_max(features, shards, target):
     """No shift, but in float64: exp still overflows past about 709."""
     logits = [shard(features).double() for shard in shards]
     sum_exp = sum(part.exp().sum(dim=1) for part in logits)
-    picked, start = 0.0, 0
-    for part in logits:
-        inside = (target >= start) & (target < start + part.size(1))
-        local = (target - start).clamp(0, part.size(1) - 1)
-        picked = picked + torch.where(inside, part.gather(1, local[:, None])[:, 0], 0.0)
-        start += part.size(1)
+    picked = target_logits(logits, target)
     return (sum_exp.log() - picked).mean().float()
 
 
@@ -363,13 +350,7 @@ def first_id_missed(features, shards, target):
     logits = [shard(features) for shard in shards]
     top = torch.stack([part.detach().amax(dim=1) for part in logits]).amax(dim=0)
     sum_exp = sum((part - top[:, None]).exp().sum(dim=1) for part in logits)
-    picked, start = torch.zeros_like(top), 0
-    for part in logits:
-        inside = (target > start) & (target <= start + part.size(1))
-        local = (target - start - 1).clamp(0, part.size(1) - 1)
-        picked = picked + torch.where(inside, part.gather(1, local[:, None])[:, 0], 0.0)
-        start += part.size(1)
-    return (sum_exp.log() + top - picked).mean()
+    return (sum_exp.log() + top - target_logits(logits, target, off_by=1)).mean()
 
 
 def first_shard_max(features, shards, target):
@@ -377,12 +358,7 @@ def first_shard_max(features, shards, target):
     logits = [shard(features) for shard in shards]
     top = logits[0].detach().amax(dim=1)
     sum_exp = sum((part - top[:, None]).exp().sum(dim=1) for part in logits)
-    picked, start = torch.zeros_like(top), 0
-    for part in logits:
-        inside = (target >= start) & (target < start + part.size(1))
-        local = (target - start).clamp(0, part.size(1) - 1)
-        picked = picked + torch.where(inside, part.gather(1, local[:, None])[:, 0], 0.0)
-        start += part.size(1)
+    picked = target_logits(logits, target)
     return (sum_exp.log() + top - picked).mean()
 
 

@@ -9,13 +9,14 @@ nbconvert and nbgrader build it, imitation included.
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_notebook
+
+from notebook_client import execute_timed
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120
@@ -52,14 +53,9 @@ def run(*sources: str, tmp_path: Path) -> tuple[list, dict[int, float]]:
     """Run these cells with nbclient's own client; return the cells and how long the
     client waited for each one's reply."""
     nb = new_notebook(cells=[new_code_cell(source) for source in sources])
-    client = NotebookClient(nb, timeout=TIMEOUT_S, kernel_name="python3", allow_errors=True,
-                            resources={"metadata": {"path": str(tmp_path)}})
-    started, waited = {}, {}
-    client.on_cell_execute = lambda cell, cell_index, **_: started.update(
-        {cell_index: time.monotonic()})
-    client.on_cell_executed = lambda cell, cell_index, **_: waited.update(
-        {cell_index: time.monotonic() - started[cell_index]})
-    client.execute()
+    waited = execute_timed(NotebookClient(nb, timeout=TIMEOUT_S, kernel_name="python3",
+                                          allow_errors=True,
+                                          resources={"metadata": {"path": str(tmp_path)}}))
     return nb.cells, waited
 
 
