@@ -82,6 +82,7 @@ def test_moving_a_control_draws_again_and_an_error_is_shown_in_place(tmp_path):
     cells, _ = run(SETUP, DRAWS, """
 explorer(draw, p=(2, 8), name=["a", "b"])
 box = shown[-1]
+assert "widget-interact" in box._dom_classes    # styled and found as interact's box is
 box.children[0].value = 6
 box.children[1].value = "b"
 assert box.children[-1].outputs[-1]["text"] == "drew p = 6, b\\n"

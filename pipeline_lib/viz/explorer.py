@@ -71,7 +71,9 @@ def explorer(function: Callable[..., Any], **controls: Any) -> None:
     out.outputs = _outputs(function, values())  # for the defaults: errors are the cell's
     for widget in widgets.values():
         widget.observe(draw, names="value")
-    display(ipywidgets.VBox([*widgets.values(), out]))
+    box = ipywidgets.VBox([*widgets.values(), out])
+    box.add_class("widget-interact")            # interact's own box class: its look, its selectors
+    display(box)
 
 
 def _outputs(function: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[dict, ...]:
