@@ -6,8 +6,8 @@ torch.distributed.pipelining and plain sequential training, same model, data and
 
 Two ranks with one intra-op thread each (torchrun, gloo), against one process with one and
 with two threads. "pipeline_lib plain" is the same pipeline on the transport's first layer
-only (`p2p.Transport`: header, then tensors, each waiting for its receive); "pipeline_lib"
-adds its second (`p2p.PostedEarly`: receives posted before they are needed). One step is
+only (`p2p.PointToPoint`: header, then tensors, each waiting for its receive); "pipeline_lib"
+adds its second (`p2p.PostedEarly`: layouts agreed once, receives posted before they are needed). One step is
 the forward and backward of the global batch, between barriers. For each micro-batch
 count m, t_s is the measured forward + backward time of one micro-batch on stage s (from
 pipeline_lib's own timelines), and the ideal fill-drain step takes Σt_s + (m-1)·max t_s;

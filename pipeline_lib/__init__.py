@@ -8,9 +8,11 @@ One schedule representation, two executors. The core, at this level:
 * `partition`: where to cut an ``nn.Sequential`` into stages (by parameters, time, memory),
   with `memory` measuring what autograd saves;
 * `microbatch`: split a batch into micro-batches, gather the outputs, scale the loss;
-* `executor`: `run_program`, the one loop both executors run (receive, compute with the
-  stage's runner, send) behind a transport; `step`: the split, loss weights and gradient
-  commit around it;
+* `lowering`: a schedule (and the skip connections of a split) compiled once into each
+  rank's program of compute actions and the messages they receive and send;
+* `executor`: `run_program`, the one loop both executors run over a lowered program
+  (receive, compute with the stage's runner, send) behind a transport that moves keyed
+  messages; `step`: the split, loss weights and gradient commit around it;
 * `stage`: `StageRunner`, what one stage does for each action (F, B, I, W), used by both
   executors; with `split_backward` (W resumes where I stopped), `checkpoint` (recompute activations), `rng` (dropout that replays),
   `skip` (skip connections across stages), `batchnorm` and `devices`.

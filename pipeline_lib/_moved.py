@@ -36,10 +36,14 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                       f"goes in the next release)", DeprecationWarning, stacklevel=2)
         module = importlib.import_module(new)
         sys.modules[spec.name] = module
+        spec.loader_state = module.__spec__   # the import system overwrites it: see below
         return module
 
     def exec_module(self, module: ModuleType) -> None:
-        """The module at the new path is already executed."""
+        """The module at the new path is already executed. The import system has just set
+        its ``__spec__`` to the old path's, which names no package location: put its own
+        back, or ``importlib.resources.files`` would call the package "not a package"."""
+        module.__spec__ = module.__spec__.loader_state
 
     def get_code(self, name: str):
         """For ``python -m old.path`` (runpy runs the new module's code as ``__main__``)."""

@@ -3,7 +3,11 @@
 A stage lives where its parameters are, unless a layer in it is wrapped in `WithDevice`;
 a stage without parameters stays on the previous stage's device. Between two GPUs an
 activation is copied on a side stream of each GPU, so the copy overlaps with the
-computation running on both devices' compute streams.
+computation running on both devices' compute streams. From the CPU to a GPU a tensor is
+copied from page-locked ("pinned") memory without blocking: a copy from ordinary
+(pageable) memory makes the host wait while the driver stages it, and the host is what
+keeps the GPU's queue full. A step pins its micro-batches once (`pinned`); `read_back`
+is the one read of a device tensor a step makes, at its end.
 """
 from __future__ import annotations
 
@@ -104,6 +108,33 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
     return _side_streams[device]
 
 
+def pinned(value: Any) -> Any:
+    """``value`` (a tensor or a tree of them) with its CPU tensors in page-locked memory,
+    so that `transfer` copies them to a GPU without making the host wait. A step pins
+    its micro-batches once, rather than each message pinning its own copy."""
+    return tree.map_tensors(
+        lambda t: t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t, value)
+
+
+def read_back(values: Tensor) -> list[Any]:
+    """``values.tolist()``, for the one read of the device a step makes, at its end.
+
+    On a GPU the values come through page-locked memory, and the host waits for an
+    event recorded after that copy: for the work queued before it on this stream, and
+    no other. A step calls it once the executor has waited for its ranks' last events,
+    so the device has nothing left to do for it: the wait is free. (``.tolist()`` would
+    wait for the same work, but through a synchronising copy, which
+    ``torch.cuda.set_sync_debug_mode`` reports as a stall.)"""
+    if values.device.type != "cuda":
+        return values.tolist()
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(values.device))
+    copied.synchronize()
+    return host.tolist()
+
+
 def transfer(value: Any, device: torch.device) -> Any:
     """Move a tensor (or every tensor of a tree, `pipeline_lib.tree`) to ``device``; other
     values pass.
@@ -118,11 +149,18 @@ def transfer(value: Any, device: torch.device) -> Any:
     source's side stream, which reads it; the copy (allocated on the target's side
     stream) on the target's compute stream, which reads it after we return. Without the
     second, the next copy could land in the block that the compute stream still reads.
+
+    From the CPU to a GPU the copy runs on the target's current stream (the stage's,
+    which reads it next), from page-locked memory and without blocking the host (a
+    tensor that `pinned` did not pin is pinned here first); the caching host allocator
+    keeps the page-locked block until the copy is done.
     """
     if not isinstance(value, Tensor):
         return tree.map_tensors(lambda t: transfer(t, device), value)
     if value.device == device:
         return value
+    if value.device.type == "cpu" and device.type == "cuda":
+        return pinned(value).to(device, non_blocking=True)
     if not (value.is_cuda and device.type == "cuda"):
         return value.to(device)
     source, target = side_stream(value.device), side_stream(device)

@@ -1,12 +1,17 @@
-"""The executor loop: what a rank does with its program, whichever way tensors travel.
+"""The executor loop: what a rank does with its lowered program, whichever way tensors
+travel.
 
-A rank's program is its list of actions (`Schedule.actions[rank]`). For each action,
-`run_program` receives what the action needs from other stages, has the stage's
-`StageRunner` compute, and sends what it produced on. Both executors run this very loop;
-they differ only in their `Transport`:
+A rank's program is its list of `lowering.Step`s: a compute action, the messages it
+receives right before and those it sends right after (`lowering.lower` derives them from
+the schedule and the skip routes, once). For each step, `run_program` receives, has the
+stage's `StageRunner` compute, and sends. Both executors run this very loop; they differ
+only in their `Transport`, which moves keyed messages (`lowering.Message`):
 
 * `threaded.threads.InProcess`: mailboxes shared by the stage threads of one process;
-* `distributed.pipe.PointToPoint`: ``torch.distributed`` sends and receives (`p2p`).
+* `distributed.p2p.PointToPoint`: ``torch.distributed`` sends and receives.
+
+A message between two stages of one rank (``local``) never reaches the transport: the
+loop hands it over in memory.
 
 What surrounds the loop in a training step (splitting the batch, the loss weights,
 setting ``.grad`` aside and committing it) is shared too: `pipeline_lib.step`.
@@ -20,31 +25,28 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping, Protocol, S
 import torch
 
 from pipeline_lib.devices import transfer
+from pipeline_lib.lowering import Message, Receive, Send, Step
 from pipeline_lib.schedules import Action
+from pipeline_lib.skip import SkipError, SkipKey, describe
 from pipeline_lib.timeline import Event
-
-Received = tuple[Any, Mapping[Any, Any]]   # (activation or gradient, skip tensors or their grads)
 
 
 class Transport(Protocol):
-    """How one rank's actions get their inputs from, and hand their results to, the
-    stages of other ranks (or of its own)."""
+    """How one rank's messages reach the ranks that consume them."""
 
     where: str   # the rank, for errors: "pipeline rank 1 (cuda:1)"
 
-    def receive(self, action: Action) -> Received:
-        """Wait for what ``action`` consumes from other stages: a forward, its input
-        (stage > 0) and the skip tensors it pops; a backward (B or I), its output's
-        gradient (all but the last stage) and those of the skip tensors it stashed.
-        ``(None, {})`` where nothing comes. Called before every action, so a transport
-        also stops the rank here once the pipeline has failed elsewhere."""
+    def check(self) -> None:
+        """Raise if the pipeline has failed elsewhere: called before every action, so
+        that a rank stops there, whatever comes next."""
 
-    def send(self, action: Action, value: Any, skips: Mapping[Any, Any]) -> None:
-        """Hand a forward's output (and the skip tensors it stashed) to the stages that
-        consume them, or a backward's input gradient (and the popped skips' gradients)
-        to the stages that produced them. Never waits for the receiver."""
+    def receive(self, peer: int, message: Message) -> Any:
+        """Wait for ``message`` from rank ``peer``."""
 
-    def input_note(self, action: Action, value: Any) -> str | None:
+    def send(self, peer: int, message: Message, value: Any) -> None:
+        """Hand ``value`` to rank ``peer`` as ``message``. Never waits for the receiver."""
+
+    def input_note(self, receive: Receive, value: Any) -> str | None:
         """What to say about a forward's received input when the forward fails."""
 
 
@@ -106,41 +108,70 @@ def _unarmed(action: Action) -> ContextManager[None]:
     return contextlib.nullcontext()
 
 
-def run_program(program: Sequence[Action], runners: Mapping[int, Any], last: int,
+def run_program(program: Sequence[Step], runners: Mapping[int, Any], last: int,
                 inputs: Sequence[Any], targets: Sequence[Any], transport: Transport,
                 stopwatch: Stopwatch, name: str,
                 around: Callable[[Action], ContextManager[None]] = _unarmed) -> None:
-    """Run one rank's ``program`` with ``runners[stage]`` (`StageRunner`s) of its stages.
+    """Run one rank's lowered ``program`` with ``runners[stage]`` (`StageRunner`s) of its
+    stages.
 
     ``inputs[i]``, ``targets[i]``: micro-batch i's, for stage 0 and stage ``last``.
     ``around(action)``: a block each backward runs in (`DistributedPipe` arms DDP's
     all-reduce there). An error gets a note naming the rank and the action."""
-    for action in program:
+    held: dict[Message, Any] = {}   # messages between stages of this rank
+    for step in program:
+        action = step.action
         s, i, runner = action.stage, action.microbatch, runners[action.stage]
         try:
-            received, side = transport.receive(action)
-            with stopwatch.timing(action):   # waiting above shows as idle time
+            transport.check()
+            x, skips = None, {}   # the input (or output gradient); skip tensors (or grads)
+            for op in step.receives:   # waiting here shows as idle time
+                message = op.message
+                value = held.pop(message) if op.local else transport.receive(op.peer, message)
+                if message.skip is None:
+                    x = value
+                else:
+                    skips[message.skip] = value
+            with stopwatch.timing(action):
                 if action.kind == "F":
-                    x = transfer(inputs[i], runner.device) if s == 0 else received
+                    x = transfer(inputs[i], runner.device) if s == 0 else x
                     target = transfer(targets[i], runner.device) if s == last else None
                     try:
-                        y = runner.forward(i, x, target, skips=side)
+                        y = runner.forward(i, x, target, skips=skips)
                     except Exception as exc:
-                        note = transport.input_note(action, x) if s > 0 else None
+                        note = transport.input_note(step.receives[0], x) if s > 0 else None
                         if note:
                             exc.add_note(note)
                         raise
-                    if s < last:
-                        transport.send(action, y, runner.take_stashed(i))
+                    _send(step.sends, y, runner.take_stashed(i), held, transport)
                 elif action.kind == "W":
                     with around(action):
                         runner.backward_weight(i)
                 else:
                     backward = runner.backward if action.kind == "B" else runner.backward_input
                     with around(action):
-                        grad = backward(i, received, skip_grads=side)
-                    if s > 0:
-                        transport.send(action, grad, runner.take_skip_grads(i))
+                        grad = backward(i, x, skip_grads=skips)
+                    _send(step.sends, grad, runner.take_skip_grads(i), held, transport)
         except Exception as exc:
             exc.add_note(f"raised on {transport.where} while running {action} of {name}")
             raise
+
+
+def _send(sends: Sequence[Send], value: Any, skips: Mapping[SkipKey, Any],
+          held: dict[Message, Any], transport: Transport) -> None:
+    """Send an action's output (``value``) and its skip tensors (or their gradients)."""
+    for op in sends:
+        message = op.message
+        if message.skip is None:
+            out = value
+        elif message.skip in skips:
+            out = skips[message.skip]
+        else:   # a forward that did not stash what its layers declare
+            raise SkipError(f"stage {message.source} declares a stash of "
+                            f"{describe(message.skip)} but its forward of micro-batch "
+                            f"{message.microbatch} did not stash it; stage {message.stage} "
+                            f"would wait for it forever")
+        if op.local:
+            held[message] = out
+        else:
+            transport.send(op.peer, message, out)

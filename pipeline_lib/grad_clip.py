@@ -7,10 +7,12 @@ own stages (two on a V schedule), and clipping each rank by its own part's norm 
 the stages differently: a different update direction from the unpipelined model's. So each
 rank sums its stages' ``|g|^p`` and the ranks of its pipeline all-reduce the sums
 (torchtitan and Megatron do the same over their pipeline groups); for the inf-norm they
-take the maximum. Replicas need no share in it: by the time `DistributedPipe.step`
-returns, DDP has averaged the gradients over them, so every replica finds the same norm.
-This relies on each parameter living on one rank: `DistributedPipe` refuses weights tied
-across ranks, which would otherwise be counted once per rank holding them.
+take the maximum, beside a flag for a NaN (a maximum over gloo drops NaN: one rank's
+NaN gradient would pass as the others' finite norm). Replicas need no share in it: by
+the time `DistributedPipe.step` returns, DDP has averaged the gradients over them, so
+every replica finds the same norm. This relies on each parameter living on one rank:
+`DistributedPipe` refuses weights tied across ranks, which would otherwise be counted
+once per rank holding them.
 """
 from __future__ import annotations
 
@@ -27,14 +29,16 @@ from pipeline_lib.distributed.pipe import DistributedPipe
 
 def clip_grad_norm_(model: nn.Module | DistributedPipe | Tensor | Iterable[Tensor],
                     max_norm: float, norm_type: float | str = 2.0,
-                    error_if_nonfinite: bool = False) -> Tensor:
+                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> Tensor:
     """Scale the gradients of ``model`` (a `Pipe`, any module, this rank's share of a
     `DistributedPipe` on every rank of the job, or, as PyTorch's function takes them,
     parameters: one tensor or an iterable of them) so that the whole model's gradient
     norm is at most ``max_norm``; return that norm before clipping, as a float32 tensor.
     Call it after the step's backward (``pipe.step``) and before ``optimizer.step()``.
     ``error_if_nonfinite``: raise, leaving the gradients as they were, if the norm is inf
-    or NaN (as PyTorch's does); otherwise they become NaN, as PyTorch's would."""
+    or NaN (as PyTorch's does; with a `DistributedPipe`, on every rank of the pipeline,
+    wherever the non-finite gradient is); otherwise they become NaN, as PyTorch's would.
+    ``foreach``: as in PyTorch (None picks the faster kernels where they exist)."""
     max_norm = _number("max_norm", max_norm)
     if not max_norm > 0:
         raise ValueError(f"max_norm must be positive, got {max_norm}: the seeds' recipe uses 0.5")
@@ -46,25 +50,38 @@ def clip_grad_norm_(model: nn.Module | DistributedPipe | Tensor | Iterable[Tenso
     group = model.mesh.pipe_group if isinstance(model, DistributedPipe) else None
     device = model.mesh.device if isinstance(model, DistributedPipe) else (
         grads[0].device if grads else torch.device("cpu"))
-    local = (torch.nn.utils.get_total_norm(grads, norm_type).to(device, torch.float64)
+    local = (torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
+             .to(device, torch.float64)
              if grads else torch.zeros((), dtype=torch.float64, device=device))
-    if group is None:
-        total = local
-    elif norm_type == math.inf:
-        total = local.clone()
-        dist.all_reduce(total, dist.ReduceOp.MAX, group=group)
-    else:
-        total = local ** norm_type
-        dist.all_reduce(total, group=group)
-        total = total ** (1.0 / norm_type)
+    total = local if group is None else _over_the_pipeline(local, norm_type, group)
     total = total.float()
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total {norm_type}-norm of the gradients is {total.item()}, "
                            f"so they cannot be clipped (the gradients are left as they "
                            f"were): look for the step whose loss went inf or NaN, e.g. a "
                            f"learning rate too high or a log of 0")
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
     return total
+
+
+def _over_the_pipeline(local: Tensor, norm_type: float, group: Any) -> Tensor:
+    """The whole model's norm from each pipeline rank's ``local`` one: the p-norm from
+    the sum of their p-th powers (a NaN or inf anywhere stays in the sum), the inf-norm
+    from their maximum and a NaN flag (a gloo maximum skips NaN). One all-reduce, which
+    every rank of the pipeline must join."""
+    inf = norm_type == math.inf
+    sent = torch.stack([local, local.isnan().double()]) if inf else local ** norm_type
+    try:
+        dist.all_reduce(sent, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+    except RuntimeError as exc:   # a timeout, most likely: a rank that never came
+        exc.add_note(f"raised while clip_grad_norm_ all-reduced the gradient norm over "
+                     f"the pipeline's ranks {dist.get_process_group_ranks(group)}: every "
+                     f"one of them must call clip_grad_norm_(pipe, ...) at the same point "
+                     f"of each step (after pipe.step), or none")
+        raise
+    if inf:
+        return torch.where(sent[1] > 0, math.nan, sent[0])
+    return sent ** (1.0 / norm_type)
 
 
 def _number(name: str, value: Any) -> float:

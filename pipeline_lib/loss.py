@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable, NamedTuple, NoReturn, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from pipeline_lib import tree
+from pipeline_lib.devices import read_back
 
 
 class SumCount(NamedTuple):
@@ -44,7 +45,17 @@ class SumCount(NamedTuple):
     count: Tensor | int | float
 
 
-MicroLoss = tuple[Tensor, "Tensor | None"]   # (loss or loss_sum, None or count)
+class MicroLoss(NamedTuple):
+    """What the last stage keeps of one micro-batch's loss, detached.
+
+    Nothing here is read on the host while the step runs: on a GPU a read waits for the
+    device's queue to empty, stalling the pipeline. The step checks them once, at its end
+    (`check_losses`)."""
+
+    value: Tensor                      # the weighted mean, or the unscaled loss sum
+    count: Tensor | float | None       # SumCount's count (float64 on the loss's device,
+    #                                    or a number); None for a mean
+    empty: Tensor | None = None        # for a mean: NaN although the outputs are finite
 
 
 def check_grad_mode(caller: str) -> None:
@@ -57,10 +68,12 @@ def check_grad_mode(caller: str) -> None:
 
 
 def micro_loss(result: Any, microbatch: int, need_grad: bool, output: Any = None) -> MicroLoss:
-    """``loss_fn``'s return value for ``microbatch`` as ``(loss, count)``, count None for
-    a mean. ``need_grad``: the loss was computed with autograd on, so it must carry a
-    graph back to the model. ``output``: the stage output it was computed from, to tell
-    a mean over no element (NaN from finite outputs) from a model that diverged."""
+    """``loss_fn``'s return value for ``microbatch`` as a `MicroLoss`. ``need_grad``: the
+    loss was computed with autograd on, so it must carry a graph back to the model.
+    ``output``: the stage output it was computed from, to tell a mean over no element
+    (NaN from finite outputs) from a model that diverged. Checks what the host knows
+    (types, shapes, a count given as a number); what only the device knows is computed
+    there and checked at the step's end."""
     where = f"loss_fn returned {_kind(result)} for micro-batch {microbatch}"
     if isinstance(result, SumCount):
         loss, count = result
@@ -87,8 +100,7 @@ def micro_loss(result: Any, microbatch: int, need_grad: bool, output: Any = None
                            f"compute no gradient. Was it detached (.detach(), "
                            f"torch.tensor(loss.item())) or computed under torch.no_grad()?")
     if count is None:
-        _check_mean(loss, microbatch, output)
-        return loss.reshape(()), None
+        return MicroLoss(loss.reshape(()), None, _empty_mean(loss, output))
     if isinstance(count, Tensor):
         if count.dtype == torch.bool:
             raise TypeError(f"{where}: SumCount's count is a bool tensor, a flag rather than "
@@ -98,40 +110,33 @@ def micro_loss(result: Any, microbatch: int, need_grad: bool, output: Any = None
             raise ValueError(f"{where}: its count must be one number that carries no "
                              f"gradient, got a tensor of shape {list(count.shape)}"
                              f"{' requiring grad' if count.requires_grad else ''}")
-        count = count.detach().reshape(()).to(torch.float64)
-    elif isinstance(count, numbers.Real) and not isinstance(count, bool):
-        count = torch.tensor(float(count), dtype=torch.float64, device=loss.device)
-    else:
+        return MicroLoss(loss.reshape(()), count.detach().reshape(()).to(torch.float64))
+    if not isinstance(count, numbers.Real) or isinstance(count, bool):
         raise TypeError(f"{where}: SumCount's count must be a number or a one-element "
                         f"tensor, not {type(count).__name__}")
-    value = count.item()
-    if not 0 <= value < math.inf:
-        raise ValueError(f"{where}: SumCount's count is {value}; a count is how many "
-                         f"elements the sum adds up, a finite number >= 0")
-    return loss.reshape(()), count
+    _check_one_count(float(count), microbatch)
+    return MicroLoss(loss.reshape(()), float(count))
 
 
-def _check_mean(loss: Tensor, microbatch: int, output: Any) -> None:
-    """A mean of NaN from finite outputs is a mean over nothing (0 / 0): typically every
-    target of the micro-batch is ignore_index. The whole batch's mean is finite if any
-    other target is not, so the step would return NaN where ``loss_fn(model(x), y)``
-    does not. (NaN outputs give a NaN loss unpipelined too: that is passed on.)
-    The executors synchronise after every action, so reading the loss here costs
-    nothing more."""
-    if not math.isnan(loss.item()):
-        return
-    if output is not None and not all(bool(torch.isfinite(t).all())
-                                      for t in tree.tensors(output)
-                                      if t.is_floating_point() or t.is_complex()):
-        return
-    raise ValueError(f"loss_fn returned a mean of nan for micro-batch {microbatch} although "
-                     f"the model's outputs are finite: a mean over no element, as when "
-                     f"every target of the micro-batch is ignore_index (padding). The "
-                     f"batch's mean is finite if another micro-batch has a real target, "
-                     f"but a mean per micro-batch cannot be; return "
-                     f"pipeline_lib.SumCount(loss_sum, count), e.g. SumCount("
-                     f"F.cross_entropy(out, y, ignore_index=PAD, reduction='sum'), "
-                     f"(y != PAD).sum()), which divides by the whole batch's count")
+def _check_one_count(count: float, microbatch: int) -> None:
+    if not 0 <= count < math.inf:
+        raise ValueError(f"loss_fn returned a SumCount for micro-batch {microbatch}: "
+                         f"SumCount's count is {count}; a count is how many elements the "
+                         f"sum adds up, a finite number >= 0")
+
+
+def _empty_mean(loss: Tensor, output: Any) -> Tensor:
+    """Whether a mean is NaN although the outputs it came from are finite, on the loss's
+    device: a mean over no element (0 / 0), typically a micro-batch whose targets are all
+    ignore_index. NaN outputs give a NaN loss unpipelined too: that is passed on. One sum
+    over the outputs tells finite from not (an overflow to inf reads as not finite, and
+    passes the NaN on)."""
+    finite = torch.ones((), dtype=torch.bool, device=loss.device)
+    for t in tree.tensors(output):
+        if t.is_floating_point() or t.is_complex():
+            total = t.detach().sum(dtype=None if t.is_complex() else torch.float32)
+            finite = finite & torch.isfinite(total).to(loss.device)
+    return torch.isnan(loss.detach()).reshape(()) & finite
 
 
 def _kind(result: Any) -> str:
@@ -142,15 +147,45 @@ def _kind(result: Any) -> str:
     return f"a {type(result).__name__}"
 
 
-def total_count(losses: Iterable[MicroLoss]) -> Tensor | None:
-    """The sum of the micro-batches' counts; None if ``loss_fn`` returned means."""
-    counts = [count for _, count in losses]
-    if all(c is None for c in counts):
-        return None
-    if any(c is None for c in counts):
+def _kinds_agree(losses: Sequence[MicroLoss]) -> bool:
+    """True for sums and counts, False for means; refuses a mix."""
+    counted = [loss.count is not None for loss in losses]
+    if any(counted) and not all(counted):
         raise TypeError("loss_fn returned SumCount(loss_sum, count) for some micro-batches "
                         "and a single loss for others; return the same kind for all")
-    return torch.stack(counts).sum()
+    return all(counted)
+
+
+def check_losses(losses: Sequence[MicroLoss]) -> float | None:
+    """What the host could not check while the micro-batches ran, with one read of the
+    device (`devices.read_back`), at the step's end: no mean over no element, and every
+    count finite and >= 0. Returns the total count (None for means)."""
+    counted = _kinds_agree(losses)
+    on_device = [(i, loss.count if counted else loss.empty) for i, loss in enumerate(losses)
+                 if isinstance(loss.count if counted else loss.empty, Tensor)]
+    read = read_back(torch.stack([v.to(torch.float64) for _, v in on_device])) \
+        if on_device else []
+    values = dict(zip((i for i, _ in on_device), read))
+    if not counted:
+        empty = [i for i, flag in values.items() if flag]
+        if empty:
+            _empty_mean_error(empty[0])
+        return None
+    for i, count in values.items():
+        _check_one_count(count, i)
+    return sum(values.values()) + sum(loss.count for loss in losses
+                                      if not isinstance(loss.count, Tensor))
+
+
+def _empty_mean_error(microbatch: int) -> NoReturn:
+    raise ValueError(f"loss_fn returned a mean of nan for micro-batch {microbatch} although "
+                     f"the model's outputs are finite: a mean over no element, as when "
+                     f"every target of the micro-batch is ignore_index (padding). The "
+                     f"batch's mean is finite if another micro-batch has a real target, "
+                     f"but a mean per micro-batch cannot be; return "
+                     f"pipeline_lib.SumCount(loss_sum, count), e.g. SumCount("
+                     f"F.cross_entropy(out, y, ignore_index=PAD, reduction='sum'), "
+                     f"(y != PAD).sum()), which divides by the whole batch's count")
 
 
 def check_count(total: float) -> None:

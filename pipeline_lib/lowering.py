@@ -34,8 +34,8 @@ API
     on a link that matches by order receives in this order), ``pairs()`` (the ``(src,
     dst)`` rank pairs that exchange messages, sorted).
 ``Step(action, receives, sends)``
-    A compute `schedules.Action`, the `Receive`\\ s right before it (its input first, then
-    the skip tensors or their gradients), and the `Send`\\ s right after it (its output
+    A compute `schedules.Action`, the `Receive`s right before it (its input first, then
+    the skip tensors or their gradients), and the `Send`s right after it (its output
     first, then the skips).
 ``Receive(peer, message, local)``, ``Send(peer, message, local)``
     ``peer``: the rank it comes from or goes to. ``local``: that rank is this one (two
@@ -83,6 +83,8 @@ from pipeline_lib.skip import DEFAULT_NAMESPACE, SkipKey, SkipRoute, describe
 MessageKind = Literal["activation", "gradient", "skip", "skip-grad"]
 FORWARD_KINDS = ("activation", "skip")       # consumed by a forward; the others by a backward
 _TEXT = {"activation": "F", "gradient": "B", "skip": "SKIP_F", "skip-grad": "SKIP_B"}
+_WORDS = {"activation": "the activation", "gradient": "the gradient",
+          "skip": "the skip tensor", "skip-grad": "the gradient of skip tensor"}
 
 
 class Message(NamedTuple):
@@ -96,10 +98,8 @@ class Message(NamedTuple):
     skip: SkipKey | None = None
 
     def __str__(self) -> str:
-        what = {"activation": "the activation", "gradient": "the gradient",
-                "skip": f"the skip tensor {describe(self.skip)}" if self.skip else "",
-                "skip-grad": f"the gradient of skip tensor {describe(self.skip)}"
-                if self.skip else ""}[self.kind]
+        what = _WORDS[self.kind] if self.skip is None else \
+            f"{_WORDS[self.kind]} {describe(self.skip)}"
         return f"{what} for stage {self.stage}, micro-batch {self.microbatch}"
 
 
@@ -113,23 +113,25 @@ def _op_text(stage: int, verb: str, message: Message) -> str:
     return f"{text}[{name}]"
 
 
-class Receive(NamedTuple):
+class _Transfer(NamedTuple):
+    peer: int          # the rank it comes from (a receive) or goes to (a send)
+    message: Message
+    local: bool        # that rank is this one: handed over in memory
+
+
+class Receive(_Transfer):
     """Wait for ``message`` from rank ``peer`` (``local``: this rank, in memory)."""
 
-    peer: int
-    message: Message
-    local: bool
+    __slots__ = ()
 
     def __str__(self) -> str:
         return _op_text(self.message.stage, "RECV", self.message)
 
 
-class Send(NamedTuple):
+class Send(_Transfer):
     """Hand ``message`` to rank ``peer`` (``local``: this rank, in memory); never waits."""
 
-    peer: int
-    message: Message
-    local: bool
+    __slots__ = ()
 
     def __str__(self) -> str:
         return _op_text(self.message.source, "SEND", self.message)
@@ -220,7 +222,7 @@ def _consumer(message: Message, split: frozenset[tuple[int, int]]) -> Action:
 
 def lower(schedule: Schedule, routes: Sequence[SkipRoute] = ()) -> LoweredSchedule:
     """``schedule`` (validated first) with the messages of its stages and of the skip
-    ``routes``, as each rank's program of `Step`\\ s (see the module docstring)."""
+    ``routes``, as each rank's program of `Step`s (see the module docstring)."""
     validate(schedule)
     return _lowered(schedule, routes)
 

@@ -7,13 +7,26 @@ model's state dict. On disk::
 
     DIR/latest                      the name of the newest complete step folder
     DIR/step-000100/stage-3.pt      stage 3's weights and its parameters' optimizer state
-    DIR/step-000100/run.pt          the step, the random state, optimizer settings
+    DIR/step-000100/run.pt          the step, the random state, the optimizer's class
     DIR/.lock                       held by the run saving here (`claimed`), if any
 
 Each stage's file is written by replica 0's rank holding it (the replicas hold equal
 copies), through a temporary file and ``os.replace``; ``latest`` moves to the new folder
 only after every rank has written, so a run killed mid-save resumes from the last
-complete checkpoint, never from a mix of two steps.
+complete checkpoint, never from a mix of two steps. What a killed save left (temporary
+files, a step folder ``latest`` never named) goes at the next save.
+
+A checkpoint is never replaced by one that cannot be trained on: a save whose weights or
+optimizer state hold a NaN or an infinity (a run that diverged) is refused on every rank,
+and ``latest`` keeps naming the last good one. So is an optimizer holding parameters that
+are not the pipe's: their values and state would not be saved.
+
+The optimizer keeps the settings the resuming run gave it (learning rate, weight decay,
+per group, per rank: ranks may build their groups differently); the checkpoint restores
+each parameter's state (Adam's moments and step count). `torch.optim.Optimizer`'s own
+``load_state_dict`` restores the saved settings too, but those are per group, and the
+groups of a rank depend on the layout, which a resume may change; and a learning rate
+is usually set by the run's schedule, step by step, anyway.
 
 Resuming continues *exactly* (same losses, bit for bit) when the arithmetic of a step does
 not depend on the layout: the same replica count (``dp``), micro-batches per replica and no
@@ -25,12 +38,14 @@ another order: equal within float rounding.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import numbers
 import os
 import re
+import shutil
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,6 +57,7 @@ from pipeline_lib.distributed.pipe import DistributedPipe
 LATEST = "latest"
 RUN = "run.pt"
 LOCK = ".lock"
+PART = ".part"   # the end of a file being written
 _STEP_FOLDER = re.compile(r"step-\d{6,}")
 
 
@@ -52,7 +68,14 @@ def _stage_file(stage: int) -> str:
 def full_names(pipe: DistributedPipe, balance: Sequence[int]) -> dict[int, dict[str, str]]:
     """Per stage this rank holds, its state-dict keys -> the unpipelined model's: stage
     ``s`` holds layers ``sum(balance[:s])`` onwards, its own layer ``j`` being the
-    model's layer ``sum(balance[:s]) + j``."""
+    model's layer ``sum(balance[:s]) + j``. ``balance`` must be the one the pipe was
+    built with, or the names would be other layers' (checked on this rank's stages)."""
+    held = {s: len(_unwrapped(module)) for s, module in pipe.modules.items()}
+    if len(balance) != pipe.schedule.stages or any(balance[s] != n for s, n in held.items()):
+        raise ValueError(f"balance {list(balance)} is not the one this pipe was built with "
+                         f"({pipe.schedule.stages} stages; here stage(s) "
+                         f"{', '.join(f'{s} hold(s) {n} layer(s)' for s, n in held.items())}): "
+                         f"pass DistributedPipe's own balance, which names each stage's layers")
     starts = list(itertools.accumulate(balance, initial=0))
     names = {}
     for s, module in pipe.modules.items():
@@ -71,10 +94,30 @@ def _unwrapped(module: nn.Module) -> nn.Module:
 
 
 def _write_atomically(obj: Any, path: Path) -> None:
-    partial = path.with_name(f".{path.name}.{os.getpid()}.part")
+    """``torch.save`` into a temporary file beside ``path``, then renamed over it
+    (`_atomically`), through a Python file, so that a full disk is the OSError it is
+    (given a path, torch.save says "enforce fail at inline_container.cc ... unexpected
+    pos")."""
+    _atomically(path, lambda file: torch.save(obj, file))
+
+
+def _atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    """``write`` a temporary file beside ``path``, then rename it over ``path``: a kill or
+    a full disk mid-write leaves the file as it was. A full disk is named, with the file
+    and the space left."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}{PART}")
     try:
-        torch.save(obj, partial)
+        with partial.open("wb") as file:
+            write(file)
         os.replace(partial, path)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        free = shutil.disk_usage(path.parent).free
+        raise OSError(exc.errno, f"no space left to save {path} (the disk is full or "
+                      f"over quota: {free / 2**20:,.0f} MiB free there); free some space or "
+                      f"save into a folder on another disk. The last complete checkpoint "
+                      f"(the one `latest` names) is unchanged") from exc
     finally:
         partial.unlink(missing_ok=True)
 
@@ -96,6 +139,11 @@ def save(folder: str | Path, step: int, pipe: DistributedPipe, balance: Sequence
     folder = Path(folder)
     target = folder / f"step-{step:06d}"
     mesh = pipe.mesh
+    names = full_names(pipe, balance)
+    outside = _outside_the_pipe(pipe, optimizer, "saved")
+    writes = mesh.replica == 0   # the replicas hold equal copies
+    _agree_everywhere(pipe, outside or (_nonfinite(pipe, optimizer, names, step, folder)
+                                        if writes else None))
     if mesh.rank == 0:
         try:
             target.mkdir(parents=True, exist_ok=True)
@@ -105,40 +153,103 @@ def save(folder: str | Path, step: int, pipe: DistributedPipe, balance: Sequence
                                      f"a folder; give a folder's path (a new one is "
                                      f"created)") from None
     dist.barrier()
-    if mesh.replica == 0:
-        names = full_names(pipe, balance)
-        by_id = _param_names(pipe, balance)
-        state = optimizer.state
-        for s, module in pipe.modules.items():
-            weights = {names[s][k]: t.detach().cpu()
-                       for k, t in _unwrapped(module).state_dict().items()}
-            moments = {by_id[id(p)]: {k: v.detach().cpu() if isinstance(v, Tensor) else v
-                                      for k, v in state[p].items()}
-                       for p in _unwrapped(module).parameters() if p in state}
-            _write_atomically({"weights": weights, "optimizer": moments},
-                              target / _stage_file(s))
+    for s in pipe.modules if writes else ():
+        _write_atomically(_stage_part(pipe, names[s], s, optimizer), target / _stage_file(s))
     if mesh.rank == 0:
-        groups = [{k: v for k, v in g.items() if k != "params"}
-                  for g in optimizer.param_groups]
-        _write_atomically({"step": step, "rng": torch.get_rng_state(), "groups": groups,
+        _write_atomically({"step": step, "rng": torch.get_rng_state(),
                            "stages": pipe.schedule.stages,
                            "optimizer": type(optimizer).__name__}, target / RUN)
     dist.barrier()   # every stage written: only now may `latest` point here
     if mesh.rank == 0:
-        previous = _latest(folder, missing_ok=True)
-        latest = folder / f".{LATEST}.part"
-        latest.write_text(target.name)
-        os.replace(latest, folder / LATEST)
-        if previous is not None and previous != target:
-            _remove_step_folder(previous)
+        _atomically(folder / LATEST, lambda file: file.write(target.name.encode()))
+        for old in folder.iterdir():   # the one it replaces, and any a killed save left
+            if old != target and _STEP_FOLDER.fullmatch(old.name) and old.is_dir():
+                _remove_step_folder(old)
     return target
 
 
+def _stage_part(pipe: DistributedPipe, names: dict[str, str], stage: int,
+                optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
+    """What stage ``stage``'s file holds: its weights and its parameters' optimizer
+    state, copied to the CPU, by the unpipelined model's names."""
+    module = _unwrapped(pipe.modules[stage])
+    weights = {names[k]: t.detach().cpu() for k, t in module.state_dict().items()}
+    moments = {names[k]: {key: v.detach().cpu() if isinstance(v, Tensor) else v
+                          for key, v in optimizer.state[p].items()}
+               for k, p in module.named_parameters() if p in optimizer.state}
+    return {"weights": weights, "optimizer": moments}
+
+
+def _nonfinite(pipe: DistributedPipe, optimizer: torch.optim.Optimizer,
+               names: dict[int, dict[str, str]], step: int, folder: Path) -> str | None:
+    """What of this rank's stages' weights and optimizer state is NaN or infinite, if
+    anything: such a checkpoint would only resume a diverged run, so it must not replace
+    a good one. Checked where the tensors are, with one read of the answer."""
+    found: dict[str, Tensor] = {}
+    for s, module in pipe.modules.items():
+        module = _unwrapped(module)
+        found.update((names[s][k], t) for k, t in module.state_dict().items())
+        found.update((f"{names[s][k]} ({key})", v) for k, p in module.named_parameters()
+                     for key, v in optimizer.state.get(p, {}).items()
+                     if isinstance(v, Tensor))
+    found = {name: t for name, t in found.items() if t.is_floating_point()}
+    if not found:
+        return None
+    finite = torch.stack([t.detach().isfinite().all().to(pipe.mesh.device)
+                          for t in found.values()])
+    if bool(finite.all()):
+        return None
+    bad = [name for name, ok in zip(found, finite.tolist()) if not ok]
+    return (f"the weights or optimizer state after step {step} hold NaN or inf values "
+            f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}): the run has diverged, "
+            f"and saving would replace the last good checkpoint in {folder}, which is "
+            f"kept. Resume from it with a lower learning rate (or clip the gradients)")
+
+
+def _outside_the_pipe(pipe: DistributedPipe, optimizer: torch.optim.Optimizer,
+                      what: str) -> str | None:
+    """The optimizer's parameters that are not this rank's stages', if any: run_state
+    saves and restores only the pipe's."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"run_state needs the run's optimizer (a torch.optim.Optimizer over "
+                        f"pipe.parameters()), got {type(optimizer).__name__}")
+    mine = {id(p) for p in pipe.parameters()}
+    outside = [p for group in optimizer.param_groups for p in group["params"]
+               if id(p) not in mine]
+    if not outside:
+        return None
+    return (f"the optimizer holds {len(outside)} parameter(s) that are not the pipe's "
+            f"(shapes {[list(p.shape) for p in outside][:3]}): their values and optimizer "
+            f"state cannot be {what} with the pipe's stages. Give the optimizer "
+            f"pipe.parameters() only, and save the others yourself (or make them a layer "
+            f"of the model)")
+
+
+def _agree_everywhere(pipe: DistributedPipe, problem: str | None) -> None:
+    """Raise on every rank if ``problem`` is set on any: one all-reduce, and, only when
+    some rank has one, the ranks' messages, so that all of them say the same."""
+    flag = torch.tensor([problem is not None], dtype=torch.int64, device=pipe.mesh.device)
+    try:
+        dist.all_reduce(flag)
+    except RuntimeError as exc:   # a timeout, most likely: a rank that never came
+        exc.add_note("raised while run_state.save waited for every rank of the job: each "
+                     "must call save(...) at the same step")
+        raise
+    if not flag.item():
+        return
+    said: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(said, problem)
+    raise ValueError("; ".join(f"rank {r}: {p}" for r, p in enumerate(said) if p))
+
+
 def _remove_step_folder(step_folder: Path) -> None:
-    """Delete a superseded step folder: only the files `save` writes, and the folder if
-    that empties it. Whatever else is there is someone's (a learner's notes), and the new
-    checkpoint is already complete, so a file that will not go is left, not raised."""
-    for name in [RUN, *(p.name for p in step_folder.glob("stage-*.pt"))]:
+    """Delete a superseded step folder: only the files `save` writes (and their
+    temporary files, which a killed save leaves), and the folder if that empties it.
+    Whatever else is there is someone's (a learner's notes), and the new checkpoint is
+    already complete, so a file that will not go is left, not raised."""
+    ours = [RUN, *(p.name for p in step_folder.glob("stage-*.pt")),
+            *(p.name for p in step_folder.glob(f".*{PART}"))]
+    for name in ours:
         try:
             (step_folder / name).unlink(missing_ok=True)
         except OSError:
@@ -228,11 +339,35 @@ def merged_state_dict(folder: str | Path) -> dict[str, Tensor]:
     return _read(folder)[1]
 
 
+def _state_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> set[str]:
+    """The state a step of ``optimizer`` keeps per parameter of ``group``, with its
+    settings (Adam: ``step``, ``exp_avg``, ``exp_avg_sq``, and ``max_exp_avg_sq`` with
+    ``amsgrad``), found by a step on a one-element stand-in; empty where no such step
+    can be taken (an optimizer needing a closure): nothing is then checked."""
+    if not group["params"]:
+        return set()
+    like = group["params"][0]
+    stand_in = torch.zeros(1, dtype=like.dtype, device=like.device, requires_grad=True)
+    stand_in.grad = torch.zeros_like(stand_in)
+    try:
+        probe = type(optimizer)([{**{k: v for k, v in group.items() if k != "params"},
+                                  "params": [stand_in]}])
+        probe.step()
+    except Exception:  # noqa: BLE001 - an optimizer that cannot be probed so
+        return set()
+    return set(probe.state[stand_in])
+
+
 def resume(folder: str | Path, pipe: DistributedPipe, balance: Sequence[int],
            optimizer: torch.optim.Optimizer) -> int:
     """Load the newest checkpoint in ``folder`` into this rank's stages, its optimizer and
     the random generator; return the number of steps it had run. The layout (pp, dp,
-    balance, schedule) may differ from the saved run's; the model may not."""
+    balance, schedule) may differ from the saved run's; the model may not. The optimizer
+    gets each parameter's saved state and keeps its own settings (lr, weight decay, its
+    groups): see the module's docstring."""
+    outside = _outside_the_pipe(pipe, optimizer, "restored")
+    if outside:
+        raise ValueError(outside)
     run, weights, moments = _read(folder)
     names = full_names(pipe, balance)
     another = (f"it was saved from another model; resume with the same --preset and "
@@ -242,6 +377,30 @@ def resume(folder: str | Path, pipe: DistributedPipe, balance: Sequence[int],
         raise ValueError(f"the checkpoint in {folder} has layers {beyond[:3]}"
                          f"{' ...' if len(beyond) > 3 else ''} and this model only "
                          f"{sum(balance)}: {another}")
+    saved_optimizer = run.get("optimizer", type(optimizer).__name__)
+    if saved_optimizer != type(optimizer).__name__:
+        raise ValueError(f"the checkpoint in {folder} holds {saved_optimizer}'s state and "
+                         f"settings, and this run's optimizer is "
+                         f"{type(optimizer).__name__}: resume with {saved_optimizer}")
+    by_id = _param_names(pipe, balance)
+    state, groups, index = {}, [], 0
+    for group in optimizer.param_groups:   # its own settings, the saved state
+        needs, indices = _state_keys(optimizer, group), []
+        for p in group["params"]:
+            saved = moments.get(by_id[id(p)])
+            if saved is not None:
+                if needs - set(saved):
+                    raise ValueError(
+                        f"the checkpoint's optimizer state of {by_id[id(p)]} has no "
+                        f"{sorted(needs - set(saved))}, which this "
+                        f"{type(optimizer).__name__}'s settings need: it was saved with "
+                        f"other settings (amsgrad?); resume with the settings it was "
+                        f"saved with")
+                state[index] = saved
+            indices.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": indices})
     for s, module in pipe.modules.items():
         wanted = names[s]
         missing = [full for full in wanted.values() if full not in weights]
@@ -259,24 +418,6 @@ def resume(folder: str | Path, pipe: DistributedPipe, balance: Sequence[int],
         except RuntimeError as exc:   # shapes: another width or vocabulary
             raise ValueError(f"the checkpoint in {folder} does not fit stage {s}: {another}"
                              f"\n{exc}") from None
-    saved_optimizer = run.get("optimizer", type(optimizer).__name__)
-    if saved_optimizer != type(optimizer).__name__:
-        raise ValueError(f"the checkpoint in {folder} holds {saved_optimizer}'s state and "
-                         f"settings, and this run's optimizer is "
-                         f"{type(optimizer).__name__}: resume with {saved_optimizer}")
-    by_id = _param_names(pipe, balance)
-    if len(run["groups"]) != len(optimizer.param_groups):
-        raise ValueError(f"the checkpoint's optimizer had {len(run['groups'])} parameter "
-                         f"groups, this one has {len(optimizer.param_groups)}")
-    state, groups, index = {}, [], 0
-    for saved, group in zip(run["groups"], optimizer.param_groups):
-        indices = []
-        for p in group["params"]:
-            if by_id[id(p)] in moments:
-                state[index] = moments[by_id[id(p)]]
-            indices.append(index)
-            index += 1
-        groups.append({**saved, "params": indices})
     optimizer.load_state_dict({"state": state, "param_groups": groups})
     torch.set_rng_state(run["rng"])
     return run["step"]

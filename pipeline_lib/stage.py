@@ -19,7 +19,7 @@ flags that layers read).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -28,12 +28,10 @@ from pipeline_lib import split_backward, tree
 from pipeline_lib.checkpoint import checkpointed, checkpointing, recomputing
 from pipeline_lib.deprecation import renamed_keywords
 from pipeline_lib.loss import MicroLoss, micro_loss
-from pipeline_lib.rng import microbatch_rng, seed_for
+from pipeline_lib.rng import RandomStream, seed_for, shared_rng
 from pipeline_lib.skip import SkipKey, SkipTracker, describe, use_tracker
 
 LossFn = Callable[[Any, Any], Any]   # -> a mean-reduced loss, or SumCount(loss_sum, count)
-# (seed, device) -> the block in which a micro-batch draws its random numbers
-RandomStream = Callable[[int, torch.device], ContextManager[None]]
 
 
 def detach_as_leaf(value: Any) -> Any:
@@ -75,12 +73,16 @@ class StageRunner:
     output into micro-batch i's share of the batch loss: ``loss_fn(out, target) * w_i``
     for a mean-reduced loss (see `microbatch.loss_weights`), or the ``loss_sum`` of a
     ``SumCount(loss_sum, count)``, unscaled (see `pipeline_lib.loss`). ``losses[i]`` keeps
-    ``(that value, count or None)``, detached.
+    that value, detached, as a `loss.MicroLoss` (with the count, or None).
 
-    ``rng`` gives each micro-batch its random stream (`rng.microbatch_rng`, or
+    ``rng`` gives each micro-batch its random stream (`rng.shared_rng`, or
     `rng.owned_rng` where one thread runs every stage of the process). ``input_as_given``:
     the input comes from the caller (not from another stage) and is used as it is: not
     detached, and no gradient is computed for it (``first`` is its deprecated name).
+    ``caller_input_grads``: the input comes from the caller, who wants the gradients of
+    its tensors that require grad; they are computed like a later stage's (also by I) and
+    kept, and once the step knows the loss's scale, `backward_into_caller` hands them to
+    the caller's graph in one backward, as ``loss.backward()`` would have.
 
     Skip connections (see `skip`) travel beside the activations: ``forward(..., skips=)``
     takes the tensors this stage pops that earlier stages stashed, and `take_stashed`
@@ -94,11 +96,15 @@ class StageRunner:
     def __init__(self, stage: int, module: nn.Module, device: torch.device,
                  checkpoint: str, microbatches: int, step_seed: int,
                  loss_fn: LossFn | None = None, loss_weights: list[float] | None = None,
-                 input_as_given: bool = False, rng: RandomStream = microbatch_rng):
+                 input_as_given: bool = False, rng: RandomStream = shared_rng,
+                 caller_input_grads: bool = False):
         self.stage, self.module, self.device = stage, module, device
         self.checkpoint, self.microbatches, self.step_seed = checkpoint, microbatches, step_seed
         self.loss_fn, self.loss_weights = loss_fn, loss_weights
         self.input_as_given = input_as_given
+        self.caller_input_grads = caller_input_grads
+        self.caller_inputs: dict[int, Any] = {}   # as given, still in the caller's graph
+        self.caller_grads: dict[int, Any] = {}    # their gradients, unscaled
         self.rng = rng
         self.inputs: dict[int, Any] = {}
         self.targets: dict[int, Any] = {}
@@ -117,22 +123,30 @@ class StageRunner:
         """The stage's output (its weighted loss on the last stage) and the tensors it
         stashed for later stages."""
         tracker = SkipTracker(self.skips_in[microbatch])
-        with (self.rng(seed_for(self.step_seed, self.stage, microbatch), self.device),
-              use_tracker(tracker)):
+        with (self.rng(seed_for(self.step_seed, self.stage, microbatch), self.device,
+                       self.module), use_tracker(tracker)):
             out = self.module(_owned(self.inputs[microbatch], copy))
             if self.last:
-                loss, count = micro_loss(self.loss_fn(out, self.targets[microbatch]),
-                                         microbatch, need_grad=torch.is_grad_enabled(),
-                                         output=out)
-                out = loss * self.loss_weights[microbatch] if count is None else loss
-                self.losses.setdefault(microbatch, (out.detach(), count))   # not a replay's
+                loss = micro_loss(self.loss_fn(out, self.targets[microbatch]), microbatch,
+                                  need_grad=torch.is_grad_enabled(), output=out)
+                out = loss.value * self.loss_weights[microbatch] if loss.count is None \
+                    else loss.value
+                # (a replay's loss is not kept: the first pass's is)
+                self.losses.setdefault(microbatch, loss._replace(value=out.detach()))
         return out, tracker.stashed
 
     def forward(self, microbatch: int, inputs: Any, target: Any = None,
                 skips: Mapping[SkipKey, Tensor] | None = None) -> Any:
         """Run the forward; return what goes to the next stage (the weighted loss on the
         last stage), detached."""
-        self.inputs[microbatch] = inputs if self.input_as_given else detach_as_leaf(inputs)
+        if self.input_as_given:
+            self.inputs[microbatch] = inputs
+        elif self.caller_input_grads:   # a gradient for what requires one, as the caller said
+            self.caller_inputs[microbatch] = inputs
+            self.inputs[microbatch] = tree.map_tensors(
+                lambda t: t.detach().requires_grad_(t.requires_grad), inputs)
+        else:
+            self.inputs[microbatch] = detach_as_leaf(inputs)
         self.skips_in[microbatch] = {key: detach_as_leaf(t) for key, t in (skips or {}).items()}
         if self.last:
             self.targets[microbatch] = target
@@ -208,22 +222,53 @@ class StageRunner:
         if self.input_as_given:
             return None
         it = iter(grads)
-        return tree.map_leaves(
+        found = tree.map_leaves(
             lambda v: next(it) if isinstance(v, Tensor) and v.requires_grad else None, inputs)
+        if self.caller_input_grads:
+            self.caller_grads[microbatch] = found
+        return found
+
+    def backward_into_caller(self, scale: float) -> None:
+        """After the step (``caller_input_grads``): the input gradients of every
+        micro-batch, times ``scale`` (the step's factor for its gradients, 1 / Σ count for
+        ``SumCount``), backpropagated into the caller's graph in one backward: the
+        caller's inputs (or what they were computed from) get the batch loss's gradient."""
+        roots, grads = [], []
+        for i, given in self.caller_inputs.items():
+            for t, g in zip(tree.leaves(given), tree.leaves(self.caller_grads.get(i))):
+                if isinstance(g, Tensor):
+                    roots.append(t)
+                    grads.append(g if scale == 1.0 else g * scale)
+        self.caller_inputs, self.caller_grads = {}, {}
+        if roots:
+            torch.autograd.backward(roots, grads)
 
     def _leaves(self, microbatch: int) -> list[Tensor]:
         return [] if self.input_as_given else [t for t in tree.tensors(self.inputs[microbatch])
                                       if t.requires_grad]
 
     def backward(self, microbatch: int, grad: Any = None,
-                 skip_grads: Mapping[SkipKey, Tensor | None] | None = None) -> Any:
-        """Full backward (B): weight gradients accumulate, input gradients are returned."""
+                 skip_grads: Mapping[SkipKey, Tensor | None] | None = None,
+                 into: dict[Tensor, Tensor] | None = None) -> Any:
+        """Full backward (B): weight gradients accumulate, input gradients are returned.
+        ``into``: the weight gradients are added there (by parameter) instead of into
+        ``.grad``, for a backward that must leave ``.grad`` alone."""
         outputs, grads = self._pairs(microbatch, grad, skip_grads)
         leaves, skip_leaves = self._leaves(microbatch), self._skip_leaves(microbatch)
-        if outputs:
-            torch.autograd.backward(outputs, grads)
-        return self._input_grads(microbatch, [t.grad for t in leaves],
-                                 {key: t.grad for key, t in skip_leaves.items()})
+        if into is None:
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+            return self._input_grads(microbatch, [t.grad for t in leaves],
+                                     {key: t.grad for key, t in skip_leaves.items()})
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        wanted = leaves + list(skip_leaves.values()) + params
+        found = list(torch.autograd.grad(outputs, wanted, grads, allow_unused=True)) \
+            if outputs and wanted else [None] * len(wanted)
+        for p, g in zip(params, found[len(wanted) - len(params):]):
+            if g is not None:
+                into[p] = into[p] + g if p in into else g
+        return self._input_grads(microbatch, found[:len(leaves)],
+                                 dict(zip(skip_leaves, found[len(leaves):])))
 
     def backward_input(self, microbatch: int, grad: Any = None,
                        skip_grads: Mapping[SkipKey, Tensor | None] | None = None) -> Any:

@@ -20,9 +20,11 @@ import torch
 from torch import Tensor, nn
 
 from pipeline_lib import tree
-from pipeline_lib.loss import MicroLoss, StepGradients, check_count, total_count
+from pipeline_lib.devices import pinned
+from pipeline_lib.loss import MicroLoss, StepGradients, check_count, check_losses
 from pipeline_lib.microbatch import NoChunk, check_rows, loss_weights, split
-from pipeline_lib.stage import LossFn, RandomStream, StageRunner
+from pipeline_lib.rng import RandomStream
+from pipeline_lib.stage import LossFn, StageRunner
 from pipeline_lib.interrupts import interrupts_held
 
 
@@ -36,13 +38,24 @@ def _among(batch: Any, replicas: int) -> list[Any]:
 
 
 def split_batch(inputs: Any, target: Any, microbatches: int, replicas: int = 1,
-                replica: int = 0) -> tuple[list[Any], list[Any], list[float]]:
+                replica: int = 0, pin: bool = False) -> tuple[list[Any], list[Any], list[float]]:
     """Replica ``replica``'s micro-batches of inputs and targets, and their loss weights.
 
     The global batch is split among ``replicas`` first, then each slice into
     ``microbatches``; the weights are each micro-batch's share of the global batch's
     rows (`microbatch.loss_weights`), times ``replicas``, since DDP averages the
-    replicas' gradients: their average is then the gradient of the global mean loss."""
+    replicas' gradients: their average is then the gradient of the global mean loss.
+    ``pin``: a stage is on a GPU; the micro-batches' CPU tensors are put in page-locked
+    memory (`devices.pinned`), once, so that their copies to the GPU do not block."""
+    micro_in, micro_target, weights = _split_batch(inputs, target, microbatches, replicas,
+                                                   replica)
+    if pin:
+        micro_in, micro_target = pinned(micro_in), pinned(micro_target)
+    return micro_in, micro_target, weights
+
+
+def _split_batch(inputs: Any, target: Any, microbatches: int, replicas: int,
+                 replica: int) -> tuple[list[Any], list[Any], list[float]]:
     check_rows(inputs, target)
     if replicas == 1:
         micro_in, micro_target = split(inputs, microbatches), split(target, microbatches)
@@ -62,14 +75,21 @@ def split_batch(inputs: Any, target: Any, microbatches: int, replicas: int = 1,
 def make_runners(stages: Mapping[int, tuple[nn.Module, torch.device]], last: int,
             checkpoint: str, microbatches: int, step_seed: int, loss_fn: LossFn,
             weights: list[float], rng: RandomStream,
-            given: bool = True) -> dict[int, StageRunner]:
+            inputs: Any = None) -> dict[int, StageRunner]:
     """A `StageRunner` per stage of ``stages`` (stage -> (module, device)); stage
-    ``last`` computes the loss. ``given``: stage 0 uses its input as given (the caller's
-    batch, whose gradient nobody needs)."""
+    ``last`` computes the loss. Stage 0 uses the caller's batch ``inputs`` as given,
+    unless a tensor in it requires grad: then it computes their gradients, for
+    `StageRunner.backward_into_caller`."""
+    wanted = any(t.requires_grad for t in tree.tensors(tree.map_leaves(_unwrapped, inputs)))
     return {s: StageRunner(s, module, device, checkpoint, microbatches, step_seed,
                            loss_fn=loss_fn if s == last else None, loss_weights=weights,
-                           input_as_given=given and s == 0, rng=rng)
+                           input_as_given=s == 0 and not wanted, rng=rng,
+                           caller_input_grads=s == 0 and wanted)
             for s, (module, device) in stages.items()}
+
+
+def _unwrapped(leaf: Any) -> Any:
+    return leaf.tensor if isinstance(leaf, NoChunk) else leaf
 
 
 def train_step(parameters: Iterable[nn.Parameter],
@@ -97,18 +117,19 @@ def train_step(parameters: Iterable[nn.Parameter],
     return loss
 
 
-def local_loss(losses: list[MicroLoss]) -> tuple[Tensor, Tensor | None]:
-    """The sum of the micro-batches' weighted losses (or loss sums), and of their counts
-    (None for mean losses)."""
-    return torch.stack([value for value, _ in losses]).sum(), total_count(losses)
+def local_loss(losses: list[MicroLoss]) -> tuple[Tensor, float | None]:
+    """The sum of the micro-batches' weighted losses (or loss sums), on the device, and
+    of their counts, read on the host (None for mean losses), once `check_losses` has
+    checked them: the step's one read of the device."""
+    total = check_losses(losses)
+    return torch.stack([loss.value for loss in losses]).sum(), total
 
 
 def batch_loss(losses: list[MicroLoss]) -> tuple[Tensor, float]:
     """The batch's loss from all of its micro-batches' losses, and the factor for
     `train_step`: 1 for means (the weights did the scaling), 1 / Σ count for sums."""
-    loss, count = local_loss(losses)
-    if count is None:
+    loss, total = local_loss(losses)
+    if total is None:
         return loss, 1.0
-    total = count.item()
     check_count(total)
     return loss / total, 1.0 / total

@@ -94,3 +94,23 @@ def passes(name: str, check, *answer) -> None:
 
     with exercise(name):
         check(*answer)
+
+
+@pytest.fixture(scope="module")
+def one_rank_mesh():
+    """A one-process gloo job in this process: enough for a `DistributedPipe` whose one
+    rank holds every stage (both of a V schedule's), and for `run_state` on it."""
+    import socket
+
+    import torch.distributed as dist
+
+    from pipeline_lib.distributed import init_mesh
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    try:
+        yield init_mesh(1, 1, 30)
+    finally:
+        dist.destroy_process_group()

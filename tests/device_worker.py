@@ -1,7 +1,8 @@
-"""One of 4 processes of `test_launch.test_every_rank_pins_its_own_gpu`, on a machine
-faked to have 4 GPUs: ``torch.cuda`` answers from this process's fake, and the process
-group asked for runs on gloo underneath (there is no GPU), while the device choice runs
-as it would for the backend asked for. Writes ``OUT/rank{RANK}.json``: the current GPU
+"""One of the processes of `test_launch`'s device tests, on a machine faked to have 4
+GPUs (or ``FAKE_GPUS``, each task seeing its ``CUDA_VISIBLE_DEVICES``): ``torch.cuda``
+answers from this process's fake, and the process group asked for runs on gloo
+underneath (there is no GPU), while the device choice runs as it would for the backend
+asked for. Writes ``OUT/rank{RANK}.json``: the current GPU
 when the process group was created, and the device `init_mesh` would compute on.
 
     python device_worker.py OUT nccl|default
@@ -12,6 +13,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -19,7 +21,7 @@ import torch.distributed as dist
 from pipeline_lib.distributed import launch
 from pipeline_lib.distributed.job import process_group
 
-GPUS = 4
+GPUS = int(os.environ.get("FAKE_GPUS", 4))   # per process: 1 with CUDA_VISIBLE_DEVICES per task
 
 
 class FakeCuda:
@@ -33,11 +35,17 @@ class FakeCuda:
         assert 0 <= index < GPUS, f"no GPU {index}"
         self.current = index
 
+    def properties(self, device: torch.device) -> SimpleNamespace:
+        # CUDA_VISIBLE_DEVICES renumbers: the UUID is that of the physical GPU
+        physical = os.environ.get("CUDA_VISIBLE_DEVICES", "0,1,2,3").split(",")[device.index]
+        return SimpleNamespace(name="Fake GPU", uuid=f"fake-{physical}")
+
     def install(self) -> None:
         torch.cuda.device_count = lambda: GPUS
         torch.cuda.is_available = lambda: True
         torch.cuda.set_device = self.set_device
         torch.cuda.current_device = lambda: self.current
+        torch.cuda.get_device_properties = self.properties
 
 
 def main() -> None:

@@ -182,9 +182,10 @@ def run_failing(scenario: str, timeout: float) -> None:
         model = nn.Sequential(nn.Linear(8, 8), Narrowing(), SumFeatures())
         balance = [2, 1]
     pipe = DistributedPipe(model, mesh, balance, MICROBATCHES, "gpipe")
-    for _ in range(steps):
-        pipe.step(torch.randn(8, 8), torch.randn(8, 1 if scenario == "reshape" else 4),
-                  F.mse_loss)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)   # the same batch on every rank
+        pipe.step(torch.randn(8, 8, generator=g),
+                  torch.randn(8, 1 if scenario == "reshape" else 4, generator=g), F.mse_loss)
 
 
 def main() -> None:

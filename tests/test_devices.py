@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from pipeline_lib import NoChunk, Pipe, WithDevice, devices
+from pipeline_lib import NoChunk, Pipe, WithDevice, devices, tree
 from pipeline_lib.devices import stage_devices, transfer
 
 META, CPU = torch.device("meta"), torch.device("cpu")
@@ -171,3 +171,63 @@ def test_transfer_moves_every_tensor_of_a_tree():
     moved = transfer({"x": x, "rest": (ids, "flag")}, torch.device("meta"))
     assert moved["x"].device.type == "meta" and moved["rest"][0].device.type == "meta"
     assert moved["rest"][0].dtype == torch.int64 and moved["rest"][1] == "flag"
+
+
+def test_a_copy_from_the_cpu_to_a_gpu_is_pinned_and_does_not_block(monkeypatch):
+    """From pageable memory the host would wait while the driver stages the copy: the
+    tensor is pinned first (unless it is already), then copied with non_blocking=True on
+    the target's current stream (no side stream: the stage reads it next)."""
+    monkeypatch.setattr(torch.cuda, "stream", mock.Mock(side_effect=AssertionError))
+    for already_pinned in (False, True):
+        source = mock.Mock(spec=Tensor, device=CPU, is_cuda=False)
+        source.is_pinned.return_value = already_pinned
+        page_locked = source if already_pinned else mock.Mock(spec=Tensor, device=CPU)
+        source.pin_memory.return_value = page_locked
+        moved = mock.Mock(spec=Tensor)
+        page_locked.to.return_value = moved
+        assert transfer(source, GPU1) is moved
+        page_locked.to.assert_called_once_with(GPU1, non_blocking=True)
+        assert source.pin_memory.call_count == (0 if already_pinned else 1)
+
+
+def test_a_step_pins_its_microbatches_once(monkeypatch):
+    """`split_batch(..., pin=True)` (a stage on a GPU) pins every micro-batch's CPU
+    tensors once per step, inputs and targets, trees included; without it, nothing."""
+    from pipeline_lib.step import split_batch
+
+    pinned_ids = set()
+
+    def pin_memory(t):
+        copy = t.clone()
+        pinned_ids.add(id(copy))
+        return copy
+
+    monkeypatch.setattr(Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(Tensor, "is_pinned", lambda t: id(t) in pinned_ids)
+    x, y = {"ids": torch.arange(8), "mask": NoChunk(torch.ones(3))}, torch.arange(8.0)
+    micro_in, micro_target, _ = split_batch(x, y, 4, pin=True)
+    leaves = [t for m in micro_in + micro_target for t in tree.tensors(m)]
+    assert len(leaves) == 12 and all(t.is_pinned() for t in leaves)
+    assert len(pinned_ids) == 12
+    micro_in, _, _ = split_batch(x, y, 4)
+    assert not any(t.is_pinned() for m in micro_in for t in tree.tensors(m))
+
+
+def test_a_step_reads_a_gpu_tensor_back_through_pinned_memory_and_an_event(monkeypatch):
+    """`read_back` copies without blocking into page-locked memory and waits for an event
+    recorded after the copy on the values' stream: a synchronising ``.tolist()`` would
+    wait for the same work, but trip ``torch.cuda.set_sync_debug_mode``."""
+    values = mock.Mock(spec=Tensor, device=GPU1, shape=(2,), dtype=torch.float64)
+    host = mock.Mock(spec=Tensor)
+    host.tolist.return_value = [1.0, 0.0]
+    empty = mock.Mock(return_value=host)
+    event = mock.Mock()
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.cuda, "Event", mock.Mock(return_value=event))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"stream of {device}")
+    assert devices.read_back(values) == [1.0, 0.0]
+    empty.assert_called_once_with((2,), dtype=torch.float64, pin_memory=True)
+    host.copy_.assert_called_once_with(values, non_blocking=True)
+    event.record.assert_called_once_with(f"stream of {GPU1}")
+    event.synchronize.assert_called_once_with()
+    values.tolist.assert_not_called()

@@ -22,7 +22,7 @@ import torch
 import dist_worker as worker
 from pipeline_lib import Pipe
 from pipeline_lib.distributed.launch import kill_job
-from pipeline_lib.distributed.p2p import send_order
+from pipeline_lib.lowering import lower
 from pipeline_lib.schedules import build, plan
 from pipeline_lib.timeline import Timeline, simulate, simulate_measured
 
@@ -237,11 +237,18 @@ def test_output_shape_that_changes_without_the_batch_is_reported_not_hung():
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"])
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_every_needed_message_is_sent_exactly_once(name, ranks):
-    """A receiver waits for what its program needs; `send_order` must list each of those
-    exactly once, from the rank that holds the producing stage."""
+    """A receiver waits for what its program needs; the lowered programs must send each
+    of those exactly once, from the rank that holds the producing stage (to itself where
+    it holds both stages), and list it in that rank's channel to the receiver (what `p2p`
+    receives in the sender's order)."""
     schedule = build(name, ranks, 6 if name == "interleaved_1f1b" and ranks == 3 else 4)
-    last = schedule.stages - 1
-    sent = sorted((dst, str(m)) for rank in range(ranks) for dst, m in send_order(schedule, rank))
+    lowered, last = lower(schedule), schedule.stages - 1
+    sent = sorted((send.peer, str(send.message)) for program in lowered.programs
+                  for step in program for send in step.sends)
+    remote = sorted((send.peer, str(send.message)) for r, program in enumerate(lowered.programs)
+                    for step in program for send in step.sends if send.peer != r)
+    assert sorted((dst, str(m)) for src in range(ranks) for dst in range(ranks) if src != dst
+                  for m in lowered.channel(src, dst)) == remote
     needed = sorted(
         (rank, f"the {'activation' if a.kind == 'F' else 'gradient'} for stage {a.stage}, "
                f"micro-batch {a.microbatch}")

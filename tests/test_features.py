@@ -31,7 +31,6 @@ class NoMesh:
 
 
 @pytest.mark.parametrize("layers,named", [
-    ([Stash(), nn.Linear(4, 4), Pop()], "skip connections between stages"),
     ([nn.Linear(4, 4), DeferredBatchNorm(4, 2)], "layer 1 is a DeferredBatchNorm"),
     ([nn.Linear(4, 4), WithDevice(nn.ReLU(), "cpu")], "layer 1 is a WithDevice(cpu)"),
 ])
@@ -41,11 +40,12 @@ def test_distributed_pipe_refuses_what_only_the_threaded_pipe_runs(layers, named
     assert named in str(refused.value)
 
 
-def test_a_skip_within_one_stage_is_not_refused_for_being_a_skip():
-    """Only skips that cross stages need the threaded executor: this one gets as far as
-    the mesh."""
+@pytest.mark.parametrize("balance", [[3], [1, 1, 1]], ids=["within a stage", "across stages"])
+def test_skip_connections_are_not_refused(balance):
+    """Both executors send skip tensors (across processes too: `test_skip_processes.py`):
+    a skip gets as far as the mesh, within a stage or across stages."""
     with pytest.raises(pytest.fail.Exception, match="the mesh was used"):
-        DistributedPipe(nn.Sequential(Stash(), nn.Linear(4, 4), Pop()), NoMesh(), [3], 2)
+        DistributedPipe(nn.Sequential(Stash(), nn.Linear(4, 4), Pop()), NoMesh(), balance, 2)
 
 
 def test_distributed_pipe_has_no_classic_forward_and_names_pipe():
@@ -57,8 +57,8 @@ def test_distributed_pipe_has_no_classic_forward_and_names_pipe():
 def test_the_old_keyword_for_microbatches_still_works_with_a_warning_naming_the_new():
     with pytest.warns(DeprecationWarning, match="microbatches="), \
             pytest.raises(NotImplementedError):
-        DistributedPipe(nn.Sequential(Stash(), nn.Linear(4, 4), Pop()), NoMesh(), [1, 1, 1],
-                        chunks=2)
+        DistributedPipe(nn.Sequential(nn.Linear(4, 4), DeferredBatchNorm(4, 2)), NoMesh(),
+                        [1, 1], chunks=2)
 
 
 def test_pipe_inside_ddp_with_several_micro_batches_is_refused_naming_the_executors(

@@ -115,7 +115,7 @@ def test_the_training_program_on_two_gpus(tmp_path):
     first = torchrun("pipeline_lib.lm.train", ["--pp", "2", "--dtype", "bf16", "--clip", "0.5",
                                                "--steps", "3", "--save", tmp_path, *common],
                      nproc=2, timeout=300)
-    assert "by time on cuda:0" in first and "valid loss" in first
+    assert "by time on cuda:0 of rank 0" in first and "valid loss" in first
     second = torchrun("pipeline_lib.lm.train", ["--pp", "1", "--dp", "2", "--dtype", "bf16",
                                                 "--steps", "5", "--resume", tmp_path, *common],
                       nproc=2, timeout=300)

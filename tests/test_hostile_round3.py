@@ -122,23 +122,8 @@ def test_train_will_not_save_over_another_runs_checkpoint(tmp_path, capsys):
 # -- run_state: checkpoints the learner owns -------------------------------------------
 
 @pytest.fixture(scope="module")
-def mesh():
-    """A one-process job in this process (gloo): enough for a `DistributedPipe` whose one
-    rank holds both stages of a V schedule, and for `run_state` on it."""
-    import socket
-
-    import torch.distributed as dist
-
-    from pipeline_lib.distributed import init_mesh
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1)
-    try:
-        yield init_mesh(1, 1, 30)
-    finally:
-        dist.destroy_process_group()
+def mesh(one_rank_mesh):
+    return one_rank_mesh
 
 
 def _trained(mesh, layers: int = 4, width: int = 8, optimizer=torch.optim.AdamW):

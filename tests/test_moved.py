@@ -52,3 +52,17 @@ def test_the_core_imports_nothing_from_course():
             names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
                      else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
             assert not any(n.startswith("pipeline_lib.course") for n in names), path
+
+
+def test_a_moved_package_stays_a_package_after_its_old_path_is_imported():
+    """Importing the old path set the moved package's ``__spec__`` to the alias's, which
+    has no location: ``importlib.resources.files`` then said "not a package"."""
+    out = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c",
+                          "import importlib.resources, pipeline_lib.notebook_workers\n"
+                          "from pipeline_lib.course import workers\n"
+                          "print(workers.__spec__.name)\n"
+                          "print(importlib.resources.files('pipeline_lib.course.workers')"
+                          ".joinpath('results.py').is_file())"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["pipeline_lib.course.workers", "True"]

@@ -171,3 +171,211 @@ def test_owned_rng_seeds_the_current_gpu_for_an_index_less_cuda(monkeypatch):
         assert gpus[1].initial_seed() == 7
         assert torch.equal(gpus[0].get_state(), before[0])
     assert all(torch.equal(g.get_state(), state) for g, state in zip(gpus, before))
+
+
+# -- shared_rng: the stream swapped in by the layers that draw ----------------------------
+
+class DrawsItself(torch.nn.Module):
+    """Draws in its own forward (around a dropout layer of its own): the whole layer
+    runs with the stream swapped in."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.3))
+
+    def forward(self, x):
+        return self.inner(F.dropout(x, 0.2)) + torch.rand_like(x)
+
+
+class Attend(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention = torch.nn.MultiheadAttention(16, 2, dropout=0.5, batch_first=True)
+
+    def forward(self, x):
+        return self.attention(x, x, x, need_weights=False)[0]
+
+
+def stage_with_attention() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5), Attend(),
+                               torch.nn.RReLU(), DrawsItself())
+
+
+def count_kernels_seen(monkeypatch) -> list[int]:
+    seen = [0]
+    dispatch = rng._Stream.__torch_dispatch__
+
+    def counting(self, *args, **kwargs):
+        seen[0] += 1
+        return dispatch(self, *args, **kwargs)
+
+    monkeypatch.setattr(rng._Stream, "__torch_dispatch__", counting)
+    return seen
+
+
+# A CPU stage gives its drawing layers the stream through the dispatch mode, without a
+# lock; a GPU stage swaps the stream in under the lock. The stage device only picks the
+# path: "cuda:1" (no GPU here) runs the swap on the CPU generator its layers draw from.
+DEVICES = [torch.device("cpu"), torch.device("cuda", 1)]
+
+
+@pytest.fixture(autouse=True)
+def fake_gpu_generators(monkeypatch):
+    """The two GPUs' generators, faked by CPU ones (nothing draws on them here)."""
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "default_generators",
+                        tuple(torch.Generator().manual_seed(k) for k in range(2)), raising=False)
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+def test_shared_rng_draws_what_owned_rng_draws(device):
+    """The first block of a stage finds the layers that draw (a dispatch mode sees each
+    kernel); every block, first or not, replayed or not, draws what `owned_rng` draws."""
+    module = stage_with_attention()
+    x = torch.randn(3, 5, 16)
+    expected = {}
+    for seed in range(3):
+        with owned_rng(seed):
+            expected[seed] = module(x)
+    for seed in (0, 1, 2, 0):
+        with rng.shared_rng(seed, device, module):
+            assert torch.equal(module(x), expected[seed]), seed
+    found = [type(layer).__name__ for layer in module.modules() if layer in rng._draws]
+    assert found == ["Dropout", "MultiheadAttention", "RReLU", "DrawsItself", "Dropout"]
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+def test_layers_that_do_not_draw_cost_nothing(monkeypatch, device):
+    """After the first block, kernels are seen only inside layers that draw (on a CPU
+    stage: a dropout's few), none on a GPU stage: ten more linear layers add none."""
+    seen_in, x = {}, torch.randn(4, 16)
+    for extra in (0, 10):
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(extra)],
+                                     torch.nn.Dropout(0.5))
+        with rng.shared_rng(0, device, module):
+            module(x)
+        seen = count_kernels_seen(monkeypatch)
+        with rng.shared_rng(1, device, module):
+            module(x)
+        seen_in[extra] = seen[0]
+    assert seen_in[0] == seen_in[10]
+    assert 0 < seen_in[0] <= 6 if device.type == "cpu" else seen_in[0] == 0
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+def test_the_lock_is_held_only_while_a_drawing_layer_runs_on_a_gpu_stage(device):
+    module = stage_with_attention()
+    held = {}
+
+    def note(i: int) -> Callable[..., None]:
+        def hook(layer, args, out) -> None:   # runs before the layer's own end hook
+            held[i] = rng._LOCK.locked()
+        return hook
+
+    for i, layer in enumerate(module):
+        layer.register_forward_hook(note(i))
+    x = torch.randn(3, 5, 16)
+    for seed in (0, 1):   # the first finds the layers, the second gives them the stream
+        held.clear()
+        with rng.shared_rng(seed, device, module):
+            module(x)
+    drawing = {0: False, 1: True, 2: False, 3: True, 4: True}   # 2: Attend, around it
+    assert held == (drawing if device.type == "cuda" else dict.fromkeys(drawing, False))
+    assert not rng._LOCK.locked()
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+def test_stage_threads_drawing_at_once_get_their_streams(device):
+    modules = [stage_with_attention() for _ in range(4)]
+    x = torch.randn(3, 5, 16)
+    expected = {}
+    for seed, module in enumerate(modules):
+        with owned_rng(seed):
+            expected[seed] = [module(x) for _ in range(5)]
+        with rng.shared_rng(seed, device, module):   # the first block of each stage
+            module(x)
+    results: dict[int, list] = {}
+    start = threading.Barrier(len(modules))
+
+    def work(seed: int) -> None:
+        start.wait()
+        with rng.shared_rng(seed, device, modules[seed]):
+            results[seed] = [modules[seed](x) for _ in range(5)]
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(len(modules))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    for seed in expected:
+        assert all(torch.equal(a, b) for a, b in zip(results[seed], expected[seed]))
+
+
+class Sometimes(torch.nn.Module):
+    """Draws only when told to: the first block cannot see it."""
+
+    def __init__(self):
+        super().__init__()
+        self.draw = False
+
+    def forward(self, x):
+        return torch.rand_like(x) if self.draw else x
+
+
+def test_a_draw_outside_the_layers_found_is_an_error_and_the_stage_is_examined_again():
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), Sometimes())
+    x = torch.randn(2, 4)
+    with rng.shared_rng(1, "cpu", module):
+        module(x)
+    module[1].draw = True
+    with pytest.raises(RuntimeError, match=r"drawn from the generator of cpu that stage "
+                                           r"threads share, outside the layers .* examined "
+                                           r"again"):
+        with rng.shared_rng(1, "cpu", module):
+            module(x)
+    with owned_rng(1):
+        expected = module(x)
+    for _ in range(2):
+        with rng.shared_rng(1, "cpu", module):
+            assert torch.equal(module(x), expected)
+
+
+def test_a_stage_drawing_outside_its_layers_keeps_the_dispatch_mode(monkeypatch):
+    """A loss_fn that draws (label smoothing by noise, say) runs in the stage's block
+    but in no layer: no layer can swap the stream in, so every block sees each kernel,
+    exact."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    with owned_rng(2):
+        expected = module(x) + torch.rand(2, 4)
+    seen = count_kernels_seen(monkeypatch)
+    for _ in range(2):
+        before = seen[0]
+        with rng.shared_rng(2, "cpu", module):
+            assert torch.equal(module(x) + torch.rand(2, 4), expected)
+        assert seen[0] > before
+
+
+def test_a_drawing_layer_that_raises_gives_the_generator_and_the_lock_back():
+    class Fails(torch.nn.Module):
+        def forward(self, x):
+            torch.rand(3)
+            if self.fail:
+                raise ValueError("boom")
+            return x
+
+    layer = Fails()
+    layer.fail = False
+    module = torch.nn.Sequential(layer)
+    with rng.shared_rng(3, "cpu", module):
+        module(torch.ones(1))
+    torch.manual_seed(0)
+    expected = torch.rand(2)
+    torch.manual_seed(0)
+    layer.fail = True
+    with pytest.raises(ValueError, match="boom"):
+        with rng.shared_rng(3, "cpu", module):
+            module(torch.ones(1))
+    assert not rng._LOCK.locked() and torch.equal(torch.rand(2), expected)

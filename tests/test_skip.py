@@ -9,34 +9,10 @@ from torch import nn
 from pipeline_lib import Namespace, Pipe, SkipError, pop, skippable, stash, verify_skips
 from pipeline_lib.threaded import Mailbox
 from conftest import assert_same_grads
+from workloads import PopMul, Stash
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
 CHECKPOINTS = ["always", "except_last", "never"]
-
-
-@skippable(stash=["skip"])
-class Stash(nn.Module):
-    """Stashes its (linear) output, which thus needs a gradient from the popping stage."""
-
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-
-    def forward(self, x):
-        h = self.linear(x)
-        yield stash("skip", h)
-        return torch.tanh(h)
-
-
-@skippable(pop=["skip"])
-class PopMul(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-
-    def forward(self, x):
-        skip = yield pop("skip")
-        return self.linear(x) * skip
 
 
 def make_model() -> nn.Sequential:

@@ -15,6 +15,7 @@ from pipeline_lib.distributed.launch import torchrun
 from pipeline_lib.lm import train
 from pipeline_lib.lm.loops import evaluate, lm_loss
 from pipeline_lib.lm.model import transformer_lm
+from pipeline_lib.schedules import plan
 from pipeline_lib.timeline import Timeline
 
 
@@ -59,12 +60,14 @@ def test_a_failed_write_keeps_the_last_good_timeline(tmp_path, monkeypatch):
 @pytest.mark.parametrize("schedule,actions", [("1f1b", 2 * 2 * 2),        # F, B; m = 2
                                               ("zb_v", 4 * 2 * 3)])       # F, I, W on 4 stages
 def test_two_ranks_train_and_save_the_last_logged_timeline(tmp_path, schedule, actions):
-    """On a V schedule the last stage, which has the loss and logs, is on rank 0."""
+    """On a V schedule the last stage, which has the loss and logs, is on rank 0. Rank 0
+    times the layers: the log said the logging rank's device."""
     target = tmp_path / "timeline.json"
     output = torchrun("pipeline_lib.lm.train", [
         "--pp", "2", "--schedule", schedule, "--synthetic", "50", "--steps", "3",
         "--log-every", "2", "--batch", "4", "--bptt", "8", "--microbatches", "2",
-        "--balance", "params", "--timeline", target, "--timeout", "60"], nproc=2, timeout=150)
+        "--timeline", target, "--timeout", "60"], nproc=2, timeout=150)
+    assert "(by time on cpu of rank 0)" in output
     assert [line.split()[1] for line in output.splitlines() if line.startswith("step")] \
         == ["2", "3"]
     timeline = Timeline.from_dict(json.loads(target.read_text()))
@@ -92,11 +95,13 @@ def test_resuming_from_a_folder_without_a_checkpoint_is_refused(tmp_path, capsys
 
 
 def test_balance_is_measured_on_the_training_device_in_its_precision(monkeypatch):
-    """Rank 0 times the layers where the job trains, under its autocast, with the loss."""
+    """Rank 0 times the layers where the job trains, under its autocast, with the loss,
+    on a model built there whose random draws leave the run's generator as it was."""
     seen = {}
 
     def measured(model, sample, stages, **kwargs):
-        seen.update(kwargs, autocast=torch.is_autocast_enabled("cpu"))
+        seen.update(kwargs, autocast=torch.is_autocast_enabled("cpu"), model=model)
+        torch.rand(5)   # a dropout mask while timing
         return [1, 1]
 
     monkeypatch.setattr(train, "balance_by_time", measured)
@@ -104,10 +109,21 @@ def test_balance_is_measured_on_the_training_device_in_its_precision(monkeypatch
     monkeypatch.setattr(train.dist, "broadcast_object_list", lambda answer, src: None)
     device = torch.device("cpu")
     sample = (torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long))
-    assert train._balance(torch.nn.Sequential(), sample, 2, "time", device,
-                          train._precision("bf16", device)) == [1, 1]
+    build = lambda: torch.nn.Sequential(torch.nn.Linear(3, 3))  # noqa: E731
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    assert train._balance(None, build, sample, 2, "time", device,
+                          train._precision("bf16", device)) == ([1, 1], "by time on cpu of rank 0")
+    assert torch.equal(torch.rand(3), expected)
     assert seen["device"] == device and seen["loss_fn"] is lm_loss and seen["autocast"]
-    assert seen["target"] is sample[1]
+    assert seen["target"] is sample[1] and isinstance(seen["model"][0], torch.nn.Linear)
+
+
+def test_each_rank_holds_the_layers_of_its_stages():
+    schedule = plan("interleaved_1f1b", 2, 4, 4)   # stages 0, 2 on rank 0; 1, 3 on rank 1
+    assert train._layers_on(schedule, [2, 1, 1, 3], 0) == {0, 1, 3}
+    assert train._layers_on(schedule, [2, 1, 1, 3], 1) == {2, 4, 5, 6}
 
 
 def test_the_log_line_counts_tokens_and_model_flops():

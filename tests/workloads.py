@@ -1,12 +1,13 @@
 """Small workloads shared by the threaded tests and the torchrun workers: a stack of
-linear layers, stages that pass trees to each other, and a token model on padded batches."""
+linear layers, a skip connection's two ends, stages that pass trees to each other, and a
+token model on padded batches."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline_lib import SumCount
+from pipeline_lib import SumCount, pop, skippable, stash
 
 ROWS, VOCAB, SEQ, PAD = 12, 11, 6, -100
 CHECKPOINTS = ["always", "except_last", "never"]
@@ -24,6 +25,31 @@ def make_model(dropout: float = 0.0) -> nn.Sequential:
 def data(rows: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return torch.randn(rows, 6, generator=g), torch.randint(0, 3, (rows,), generator=g)
+
+
+@skippable(stash=["skip"])
+class Stash(nn.Module):
+    """Stashes its (linear) output, which thus needs a gradient from the popping stage."""
+
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        h = self.linear(x)
+        yield stash("skip", h)
+        return torch.tanh(h)
+
+
+@skippable(pop=["skip"])
+class PopMul(nn.Module):
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        skip = yield pop("skip")
+        return self.linear(x) * skip
 
 
 class TreeBlock(nn.Module):

@@ -7,7 +7,10 @@ A plain `jupyter lab` stops or misleads on three common machines:
 * on a server with no display it tries to open a browser (a text one in the terminal if
   one is installed) instead of only printing the URL, so it gets ``--no-browser`` there;
 * when its port is taken it quietly moves to the next free one, so the URL it prints,
-  with its token, is the one to open, and the banner says so.
+  with its token, is the one to open, and the banner says so;
+* a port beyond 65535 wraps (99999 listens on 34463) while the URL it prints says 99999,
+  so a port is checked however it comes: ``--port``, Jupyter's ``--ServerApp.port=``
+  (``--LabApp.port=``, ...) or ``JUPYTER_PORT``.
 
 Any other arguments go to JupyterLab unchanged; the browser test starts the lab through
 this very file, so what it checks is what a learner runs.
@@ -17,10 +20,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+# Jupyter's own ways to give the port: --ServerApp.port=N (or --NotebookApp.port,
+# --LabApp.port, which it moves to ServerApp, ...), with "=N" or N as the next argument
+JUPYTER_PORT_OPTION = re.compile(r"--\w+\.port(=.*)?")
 
 
 def is_root() -> bool:
@@ -63,6 +70,24 @@ def port_number(text: str) -> int:
     return port
 
 
+def check_jupyters_port(parser: argparse.ArgumentParser, extra: list[str],
+                        environ: dict[str, str] | os._Environ) -> None:
+    """Check a port given in Jupyter's own ways as `port_number` checks ``--port``: an
+    option (``--ServerApp.port=N``, ``--LabApp.port N``, ...) or, if no option gives
+    one, ``JUPYTER_PORT`` in ``environ``. Unchecked, 99999 wraps to 34463 while Jupyter
+    prints :99999, an address nothing serves."""
+    given = [(a, a.partition("=")[2] if "=" in a else next(iter(extra[k + 1:]), ""))
+             for k, a in enumerate(extra) if JUPYTER_PORT_OPTION.fullmatch(a)]
+    if "JUPYTER_PORT" in environ and not given:
+        given.append((f"JUPYTER_PORT={environ['JUPYTER_PORT']} (in the environment)",
+                      environ["JUPYTER_PORT"]))
+    for spelled, value in given:
+        try:
+            port_number(value)
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"give the port as --port N (1 to 65535), not {spelled}: {exc}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=port_number,
@@ -71,9 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--folder", type=Path, default=NOTEBOOKS,
                         help="folder to open (default: notebooks/; student/ after make student)")
     args, extra = parser.parse_known_args(argv)
-    spelled = [a for a in extra if a.split("=")[0] in ("--ServerApp.port", "--NotebookApp.port")]
-    if spelled:   # Jupyter's own spelling would skip port_number's check (99999 wraps)
-        parser.error(f"give the port as --port N (1 to 65535), not {spelled[0]}")
+    check_jupyters_port(parser, extra, {} if args.port is not None else os.environ)
     if not args.folder.is_dir():
         parser.error(f"{args.folder} is not a folder (make student writes student/)")
     cmd = lab_command(args.port, extra, args.folder.resolve())

@@ -2,9 +2,11 @@
 
 * `pipe.DistributedPipe` runs the very `Schedule` objects the simulator draws, driving a
   `pipeline_lib.stage.StageRunner` per stage, with DDP across replicas;
-* `p2p` moves activations and gradients between ranks: a header, then the tensors
-  (`p2p.Transport`), with receives posted early once shapes repeat (`p2p.PostedEarly`);
-* `mesh` lays the processes out in a ``dp × pp`` grid;
+* `p2p` moves the lowered schedule's messages between ranks: a header, then the tensors
+  (`p2p.PointToPoint`), or, once shapes repeat, only the tensors into receives posted
+  early (`p2p.PostedEarly`);
+* `mesh` lays the processes out in a ``dp × pp`` grid, with a channel (a 2-rank group)
+  per direction between the ranks that exchange messages;
 * `job` joins the torchrun job (`job.process_group`) and, when one rank fails, makes
   every rank stop with that rank's reason;
 * `launch` starts a ``torchrun`` job from Python under a deadline (it and all its workers

@@ -32,7 +32,7 @@ from typing import Iterator, NoReturn
 
 import torch.distributed as dist
 
-from pipeline_lib.distributed.launch import backend_for, rank_device, worker_device
+from pipeline_lib.distributed.launch import announce, backend_for, worker_placement
 
 
 class RankLost(RuntimeError):
@@ -141,10 +141,12 @@ class _Board:
 def process_group(backend: str | None = None, timeout: float = 300.0) -> Iterator[None]:
     """Join the process group torchrun set up (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
     ...) for the block, then leave it once every rank has finished. The backend is NCCL
-    if every worker on this machine has a GPU (`launch.worker_device`), else gloo. Before
-    the group exists, this rank's GPU (``cuda:LOCAL_RANK``) is made the current device
-    whatever the backend (`launch.rank_device`), so NCCL's communicators and every
-    ``"cuda"`` tensor land on the rank's own GPU.
+    if every worker has a GPU of its own (`launch.choose_device`: one per worker on this
+    machine, or its task's one visible GPU), else gloo; ``backend="nccl"`` (or
+    ``PIPELINE_LIB_DEVICE=cuda``) stops, saying why, where that cannot be. Before the
+    group exists, this rank's GPU is made the current device, so NCCL's communicators
+    and every ``"cuda"`` tensor land on the rank's own GPU, and rank 0 prints where every
+    rank computes and why (`launch.announce`, which also refuses a GPU two ranks share).
 
     If the block raises on any rank, that rank prints and publishes why and exits with
     status 1, and every other rank stops (see the module docstring). ``timeout`` bounds
@@ -155,10 +157,12 @@ def process_group(backend: str | None = None, timeout: float = 300.0) -> Iterato
     if missing:
         raise RuntimeError(f"environment variables {missing} are not set: start this "
                            f"program with torchrun, e.g. torchrun --nproc_per_node 2 ...")
-    backend = backend or backend_for(worker_device())
-    rank_device(backend)   # pin this rank's GPU now: NCCL binds to the current device
+    # this rank's GPU is pinned now: NCCL binds to the current device
+    placement = worker_placement({"nccl": "cuda", "gloo": "cpu"}.get(backend or ""))
+    backend = backend or backend_for(placement.device)
     wait = timedelta(seconds=timeout)
     store, rank, world_size = next(dist.rendezvous("env://", timeout=wait))
+    announce(store, rank, world_size, backend, placement, timeout)
     dist.init_process_group(backend, store=dist.PrefixStore("pipeline_lib/pg", store),
                             rank=rank, world_size=world_size, timeout=wait)
     board = _Board(store, rank, world_size)

@@ -19,16 +19,19 @@ micro-batch, both ways) inside a node and sends the gradient all-reduce between 
 stage-major keeps each DDP group inside a node (DeepSpeed's `PipeDataParallelTopology`
 and Megatron-LM's default), which is what a job needs when its all-reduce moves more
 bytes than its pipeline boundaries, as it usually does (notebook 05 counts them). The
-ranks holding the same stages (a column above) form a data-parallel group; each pair of
-pipeline neighbours gets one 2-rank group per direction (see `pipeline_lib.distributed`
-for why). The ranks of one pipeline (a row) form a pipeline group, for the few collectives
-a pipeline needs as a whole (the global gradient norm, `pipeline_lib.grad_clip`).
+ranks holding the same stages (a column above) form a data-parallel group. The ranks of
+one pipeline (a row) form a pipeline group, for the few collectives a pipeline needs as a
+whole (the global gradient norm, `pipeline_lib.grad_clip`). Each ordered pair of pipe
+ranks that exchange messages gets a *channel*, a 2-rank group carrying that direction
+only (`p2p` says why), made by `Mesh.connect` for the pairs a pipe's lowered programs use
+(`lowering.LoweredSchedule.pairs`): neighbours, the ring's closing pair for looped
+schedules, and any two ranks a skip connection joins.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -51,6 +54,9 @@ def check_same_everywhere(what: str, config: dict[str, Any]) -> None:
 
 
 RANK_ORDERS = ("replica-major", "stage-major")
+# seconds a channel's own timeout adds to the mesh's: `p2p` names a wait that passes the
+# mesh's timeout first, before NCCL's watchdog ends the process without a word on it
+CHANNEL_GRACE = 30.0
 
 
 def grid_rank(order: str, pp: int, dp: int, replica: int, pipe_rank: int) -> int:
@@ -86,33 +92,55 @@ class Mesh:
     timeout: float                               # seconds any single wait may take
     dp_group: dist.ProcessGroup | None           # same stages, other replicas; None if dp = 1
     pipe_group: dist.ProcessGroup | None         # this replica's pipeline; None if pp = 1
-    links: dict[tuple[int, int], dist.ProcessGroup]  # (src, dst) pipe ranks -> 2-rank group
     clock_zero: float
     order: str = "replica-major"                 # how global ranks fill the grid
+    # (src, dst) pipe ranks -> the 2-rank group carrying src's messages to dst
+    channels: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
+    connected: set[tuple[int, int]] = field(default_factory=set)   # every replica's, too
 
     def global_rank(self, pipe_rank: int) -> int:
         """The global rank of ``pipe_rank`` in this process's replica."""
         return grid_rank(self.order, self.pp, self.dp, self.replica, pipe_rank)
 
-    def link(self, src: int, dst: int) -> dist.ProcessGroup:
+    def channel(self, src: int, dst: int) -> dist.ProcessGroup:
         """The group carrying messages from pipe rank ``src`` to ``dst`` (one of them is
-        this rank)."""
-        return self.links[(src, dst)]
+        this rank): made by `connect`."""
+        return self.channels[(src, dst)]
+
+    def connect(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """Make a channel for each ``(src, dst)`` pair of pipe ranks not connected yet, in
+        every replica. Collective: every rank calls it with the same pairs (a
+        `DistributedPipe` does, with its lowered programs' `pairs`). Each channel's first
+        message is sent here, in one order every rank follows: NCCL creates a
+        communicator on its first operation and blocks until both ranks join, which,
+        taken in any other order, could wait in a cycle; and a broken link fails now, not
+        in the middle of a step."""
+        new = sorted(set(pairs) - self.connected)
+        wait = timedelta(seconds=self.timeout + CHANNEL_GRACE)
+        for d in range(self.dp):   # new_group is collective: every rank makes every group
+            for src, dst in new:
+                ranks = [grid_rank(self.order, self.pp, self.dp, d, p) for p in (src, dst)]
+                group = dist.new_group(ranks, timeout=wait)
+                if d == self.replica and self.pipe_rank in (src, dst):
+                    self.channels[(src, dst)] = group
+        self.connected.update(new)
+        sends = []
+        for src, dst in new:
+            if self.pipe_rank not in (src, dst):
+                continue
+            probe = torch.zeros(1, device=self.device)
+            group = self.channels[(src, dst)]
+            if self.pipe_rank == src:
+                sends.append(dist.isend(probe, self.global_rank(dst), group=group))
+            else:
+                dist.recv(probe, self.global_rank(src), group=group)
+        for work in sends:
+            work.wait()
 
     def clock(self) -> float:
         """Seconds since the mesh was made: every rank's clock started at one barrier, so
         events of different ranks can be drawn on one time axis."""
         return time.perf_counter() - self.clock_zero
-
-
-def _neighbour_pairs(pp: int) -> list[tuple[int, int]]:
-    """Ordered pairs of pipe ranks that talk: ring neighbours, both directions. The ring
-    closes (pp-1 -> 0) because interleaved schedules send stage pp-1's output to stage pp,
-    which lives on rank 0."""
-    if pp == 1:
-        return []
-    edges = [(r, r + 1) for r in range(pp - 1)] + ([(pp - 1, 0)] if pp > 2 else [])
-    return [pair for a, b in edges for pair in ((a, b), (b, a))]
 
 
 def init_mesh(pp: int, dp: int = 1, timeout: float = 300.0,
@@ -153,30 +181,6 @@ def init_mesh(pp: int, dp: int = 1, timeout: float = 300.0,
             if d == replica:
                 pipe_group = group
     device = rank_device(dist.get_backend())
-    links = {}
-    for d in range(dp):
-        for src, dst in _neighbour_pairs(pp):
-            group = dist.new_group([at(d, src), at(d, dst)], timeout=wait)
-            if d == replica and pipe_rank in (src, dst):
-                links[(src, dst)] = group
-    _connect(links, lambda p: at(replica, p), pipe_rank, device)
     dist.barrier()
-    return Mesh(pp, dp, rank, replica, pipe_rank, device, timeout, dp_group, pipe_group, links,
+    return Mesh(pp, dp, rank, replica, pipe_rank, device, timeout, dp_group, pipe_group,
                 clock_zero=time.perf_counter(), order=order)
-
-
-def _connect(links: dict[tuple[int, int], dist.ProcessGroup], global_rank: Callable[[int], int],
-             me: int, device: torch.device) -> None:
-    """Send one tiny message over every link, in one global order. NCCL creates a
-    communicator on a group's first operation and blocks the sender until the receiver
-    joins; doing it here, in an order every rank follows, cannot deadlock, and a broken
-    link fails now rather than in the middle of a step."""
-    sends = []
-    for src, dst in sorted(links):
-        probe = torch.zeros(1, device=device)
-        if me == src:
-            sends.append(dist.isend(probe, global_rank(dst), group=links[(src, dst)]))
-        else:
-            dist.recv(probe, global_rank(src), group=links[(src, dst)])
-    for work in sends:
-        work.wait()

@@ -2,11 +2,12 @@
 
 One process per pipeline rank. Rank ``r`` holds every stage ``s`` that the schedule places
 there (``schedule.rank_of(s) == r``: ``s % pp`` for looped schedules, a V for ZB-V and
-DualPipeV) and runs ``schedule.actions[r]`` with the loop the threaded `Pipe.step`
+DualPipeV) and runs its program of the lowered schedule (`lowering.lower`: each compute
+action with the messages it receives and sends) with the loop the threaded `Pipe.step`
 runs, `executor.run_program`, around which `pipeline_lib.step` does the same split, loss
 scaling and gradient commit, with the same dropout seeds per (stage, micro-batch). Only
-the way activations and gradients travel differs (`PointToPoint`, the transport), and
-that is the lesson of this module.
+the way messages travel differs (`p2p.PointToPoint`, the transport), and that is the
+lesson of this module.
 
 Every process runs the same script under torchrun (``torchrun --nproc_per_node 4 -m
 pipeline_lib.lm.train --pp 2 --dp 2`` trains the Transformer LM)::
@@ -31,34 +32,22 @@ a schedule is designed to avoid. Instead, with plain ``isend``/``irecv`` on gloo
    its next action. The handles and buffers are kept, and waited for when the step ends:
    one boundary tensor per micro-batch, little next to what a stage keeps for its backward.
 2. **Receives are the only waits**, and a rank receives only what its next action needs.
+   The lowering checked, when the pipe was built, that ranks waiting only for their
+   receives cannot deadlock (`lowering.validate_lowered`).
 3. **NCCL matches sends to receives by order, not by tag**, one operation after another
-   on one stream per communicator. Two consequences:
+   on one stream per communicator. Hence one process group per direction between two
+   ranks (`mesh.Mesh.channel`, made for the pairs the lowered programs use: neighbours,
+   the ring's closing pair, and any two ranks a skip connection joins), and receives in
+   the sender's order (`lowering.LoweredSchedule.channel`), keeping early arrivals for the
+   actions that need them. `p2p` explains both, and why neither can hang.
+4. **Each message opens with its layout** (which message, each tensor's dtype and shape)
+   in the first step with a batch of given shapes; later steps with those shapes send
+   only the tensors, into receives sized from the agreed layout and, on gloo, posted
+   before they are needed (`p2p.PostedEarly`): no host read per message on a GPU.
 
-   a. *One process group per direction.* If rank 0's activations to rank 1 and rank 1's
-      gradients to rank 0 shared a communicator, rank 0 could queue [send activation,
-      receive gradient] while rank 1 queues [send gradient, receive activation]: each
-      send waits for a receive queued behind the other send, forever. So each pair of
-      neighbours gets two 2-rank groups: everything ``a`` sends to ``b`` goes through one,
-      everything ``b`` sends to ``a`` through the other (`mesh.Mesh.link`). A send and a
-      receive in opposite directions never queue behind each other.
-   b. *Receive in the sender's order.* Within one group, the k-th receive gets the k-th
-      send. Every rank knows every rank's program, so it computes the exact sequence of
-      messages a peer will send it (`p2p.send_order`). When an action needs a message,
-      the rank receives that peer's messages in this order until it has the one it needs,
-      and keeps earlier ones for the actions that need them later. In the built-in
-      schedules messages happen to be needed in the order they are sent; a `Schedule` that
-      consumes them in another order (rank 0 running ``0B1`` before ``0B0`` while rank 1
-      sends the gradient of micro-batch 0 first) still works, by buffering.
-
-   Since senders never wait, receiving a message early or buffering it never blocks
-   anybody: a valid schedule cannot deadlock. Each message opens with a small header (which
-   message it is, and each tensor's dtype and shape), so the receiver allocates exactly what
-   comes, shapes may change from one micro-batch to the next, and a rank that is not running
-   the same program is caught at its first message rather than filling a buffer with garbage.
-4. **Receives are posted early** once shapes are known: in a step whose batch has the
-   last step's shapes, a rank posts its receives before they are needed, at the sizes the
-   last step's headers showed (`p2p.PostedEarly`), so a message costs no hand-shake when
-   it is needed.
+Skip connections (`skip.skippable`) travel the same way: each stashed tensor goes
+straight from the stashing stage's rank to the popping stage's, and its gradient straight
+back, as messages of their own.
 
 Data parallelism
 ----------------
@@ -96,9 +85,10 @@ that is refused when the pipe is built (`check_no_weight_shared_across_ranks`).
 The same batch on every rank
 ----------------------------
 Each step's first collective, the all-reduce that shares the step's seed, also compares
-every rank's batch shapes and step number: one rank given a batch of other shapes, or a
-step behind, makes every rank raise, naming it. (The values are not compared: that would
-cost a pass over the batch.)
+every rank's batch shapes, values and step number: one rank given a batch of other
+shapes or values (other targets, rows in another order), or a step behind, makes every
+rank raise, naming it. The values are compared by a fingerprint (`_fingerprint`), a few
+passes over the batch's tensors where they are, read with the all-reduce's one read.
 
 Timelines
 ---------
@@ -109,8 +99,8 @@ the simulator returns, so a run is drawn and its bubble compared with one functi
 from __future__ import annotations
 
 import contextlib
-import pickle
-from typing import Any, ContextManager, Iterator, Mapping, NoReturn, Sequence
+import hashlib
+from typing import Any, ContextManager, Iterator, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -121,17 +111,17 @@ from pipeline_lib import tree
 from pipeline_lib.batchnorm import DeferredBatchNorm
 from pipeline_lib.checkpoint import check_mode
 from pipeline_lib.deprecation import renamed_keywords
-from pipeline_lib.devices import WithDevice
+from pipeline_lib.devices import WithDevice, read_back, transfer
 from pipeline_lib.distributed.mesh import Mesh, check_same_everywhere
-from pipeline_lib.distributed.p2p import (Message, PostedEarly, Transport, batch_key,
-                                          describe_tensors)
-from pipeline_lib.executor import Received, Stopwatch, run_program
+from pipeline_lib.distributed.p2p import PointToPoint, PostedEarly, batch_key, describe_tensors
+from pipeline_lib.executor import Stopwatch, run_program
 from pipeline_lib.loss import check_count, check_grad_mode
+from pipeline_lib.lowering import lower
 from pipeline_lib.microbatch import NoChunk
 from pipeline_lib.partition import group_layers
 from pipeline_lib.rng import new_step_seed, owned_rng, seed_for
 from pipeline_lib.schedules import Action, Schedule, plan
-from pipeline_lib.skip import skip_routes
+from pipeline_lib.skip import describe, skip_routes
 from pipeline_lib.stage import LossFn, StageRunner
 from pipeline_lib.step import local_loss, make_runners, split_batch, train_step
 from pipeline_lib.timeline import Event, Timeline
@@ -143,13 +133,16 @@ class DistributedPipe:
     Every rank builds the same ``module`` (seed before building it) and passes the same
     arguments; each keeps only the stages of ``balance`` that live on it (stage ``s`` on
     pipe rank ``schedule.rank_of(s)``), moved to ``mesh.device``. ``schedule`` is a name of
-    `schedules.BUILDERS` or a `Schedule` for ``mesh.pp`` ranks. ``post_early=False``
-    sends every message as `p2p.Transport` does, header then tensors, each waiting for its
-    receive: simpler to follow, slower for small stages (`p2p.PostedEarly` is the speed-up).
-    What ``post_early=True`` asks in return: from the second step on, a batch with the
-    shapes of the step before must give every message the shape that step's gave, which holds unless a stage's output shape depends on its input's values (a
-    layer that drops padding tokens, say); such a stage raises `p2p.ProtocolError`
-    saying so, and runs with ``post_early=False``.
+    `schedules.BUILDERS` or a `Schedule` for ``mesh.pp`` ranks. Skip connections
+    (`skip.skippable`) may cross stages and ranks. ``post_early=False`` sends every
+    message as `p2p.PointToPoint` does, its layout then its tensors, each waiting for its
+    receive: simpler to follow, slower for small stages, and a host read per message on
+    a GPU (`p2p.PostedEarly` is the speed-up). What ``post_early=True`` asks in return: a
+    batch with the shapes of an earlier step's must give every message the layout
+    (shapes, dtypes, and any value that is not a tensor) that step's gave, which holds
+    unless a stage's output depends on its input's values (a layer that drops padding
+    tokens, say); such a stage raises `p2p.ProtocolError` saying so, and runs with
+    ``post_early=False``.
     """
 
     @renamed_keywords(chunks="microbatches")
@@ -157,24 +150,28 @@ class DistributedPipe:
                  microbatches: int, schedule: str | Schedule = "1f1b",
                  checkpoint: str = "never", post_early: bool = True):
         stages = group_layers(module, balance)
-        check_runs_in_processes(module, balance)
+        check_runs_in_processes(module)
         self.mesh, self.checkpoint = mesh, check_mode(checkpoint)
         self.schedule = plan(schedule, mesh.pp, len(stages), microbatches)
+        routes = skip_routes(module, [s for s, count in enumerate(balance) for _ in range(count)])
         check_same_everywhere("pipelines", dict(
             schedule=self.schedule.name, grid=self.schedule.grid(), pp=mesh.pp, dp=mesh.dp,
-            balance=list(balance), checkpoint=checkpoint, post_early=post_early))
+            balance=list(balance), checkpoint=checkpoint, post_early=post_early,
+            skips=[(describe(r.key), r.source, r.target) for r in routes]))
         check_no_weight_shared_across_ranks(module, stages, self.schedule)
         self.names = {id(p): name for name, p in module.named_parameters()}
         self.steps = 0   # calls of `step` so far: the ranks must agree (`_agree`)
-        self.program = self.schedule.actions[mesh.pipe_rank]
+        self.lowered = lower(self.schedule, routes)
+        self.program = self.lowered.programs[mesh.pipe_rank]
         self.modules = {s: self._replicated(stages[s].to(mesh.device))
                         for s in range(len(stages)) if self.schedule.rank_of(s) == mesh.pipe_rank}
         # Per replicated stage, the backward whose weight gradients DDP all-reduces: the
         # stage's last B (or W), when every micro-batch's gradients have accumulated.
-        self.sync_at = {a.stage: a for a in self.program if a.kind in ("B", "W")
-                        and isinstance(self.modules[a.stage], DistributedDataParallel)}
-        self.transport = (PostedEarly if post_early else Transport)(mesh, self.schedule)
-        self.link = PointToPoint(self.transport, self.schedule, mesh)
+        self.sync_at = {step.action.stage: step.action for step in self.program
+                        if step.action.kind in ("B", "W")
+                        and isinstance(self.modules[step.action.stage], DistributedDataParallel)}
+        mesh.connect(self.lowered.pairs())
+        self.transport = (PostedEarly if post_early else PointToPoint)(mesh, self.lowered)
         self.events: list[Event] = []
 
     def _replicated(self, stage: nn.Module) -> nn.Module:
@@ -212,6 +209,11 @@ class DistributedPipe:
         on the ranks holding the last stage, None on the others. Inputs, targets and the
         activations between stages may be trees (see `microbatch.split`), and ``loss_fn``
         may return a mean or a ``SumCount(loss_sum, count)`` (see `pipeline_lib.loss`).
+        An input tensor that requires grad gets its ``.grad`` where stage 0 runs: on each
+        replica's rank holding stage 0, the batch loss's gradient for the replica's rows
+        (zeros in the others' rows: the replicas' ``x.grad`` add up to the unpipelined
+        model's; all-reduce them over ``mesh.dp_group`` for the whole); on the other ranks
+        none is added.
 
         If the step fails on any rank, every rank raises (the others once that rank's
         process has ended, as `job.process_group` ends it) and ``.grad`` is left as it was."""
@@ -219,11 +221,12 @@ class DistributedPipe:
         schedule, mesh = self.schedule, self.mesh
         step_seed, key = self._agree(inputs, target)
         micro_in, micro_target, weights = split_batch(inputs, target, schedule.microbatches,
-                                                      mesh.dp, mesh.replica)
+                                                      mesh.dp, mesh.replica,
+                                                      pin=mesh.device.type == "cuda")
         last = schedule.stages - 1
         runners = make_runners({s: (module, mesh.device) for s, module in self.modules.items()},
                                last, self.checkpoint, schedule.microbatches, step_seed,
-                               loss_fn, weights, rng=owned_rng)
+                               loss_fn, weights, rng=owned_rng, inputs=inputs)
 
         def run() -> tuple[Tensor | None, float]:
             self.transport.start_step(key)
@@ -232,13 +235,14 @@ class DistributedPipe:
                 for module in self.modules.values():
                     if isinstance(module, DistributedDataParallel):
                         no_sync.enter_context(module.no_sync())
-                try:
-                    run_program(self.program, runners, last, micro_in, micro_target,
-                                self.link, stopwatch, schedule.name, around=self._armed)
-                finally:
-                    self.events = stopwatch.events()
-            self.transport.finish_step()
-            return self._loss(runners.get(last))
+                run_program(self.program, runners, last, micro_in, micro_target,
+                            self.transport, stopwatch, schedule.name, around=self._armed)
+            self.transport.finish_step()   # names any message that did not come in time
+            self.events = stopwatch.events()
+            loss, scale = self._loss(runners.get(last))
+            if 0 in runners:   # DDP averaged the replicas' sums, which x.grad skips
+                runners[0].backward_into_caller(scale / mesh.dp)
+            return loss, scale
 
         return train_step(self.parameters(), run)
 
@@ -254,13 +258,15 @@ class DistributedPipe:
         replica 0's."""
         mesh = self.mesh
         self.steps += 1
-        key = batch_key(_shapes(inputs), _shapes(target))
+        key = _layout_key(inputs, target, mesh.device)
         seed = new_step_seed() if mesh.rank == 0 else -1
-        sent = torch.tensor([seed, key, -key, self.steps, -self.steps], dtype=torch.int64,
-                            device=mesh.device)
+        values = _fingerprint((inputs, target))   # where the batch is: no read, no copy
+        head = transfer(torch.tensor([seed, key, -key, self.steps, -self.steps],
+                                     dtype=torch.int64), values.device)
+        sent = transfer(torch.cat([head, torch.stack([values, -values])]), mesh.device)
         dist.all_reduce(sent, op=dist.ReduceOp.MAX)
-        step_seed, most_key, least_key, most_steps, least_steps = sent.tolist()
-        if most_key != -least_key or most_steps != -least_steps:
+        step_seed, most_key, least_key, most_steps, least_steps, most, least = read_back(sent)
+        if most_key != -least_key or most_steps != -least_steps or most != -least:
             self._disagreement(inputs, target)
         if mesh.replica > 0:
             step_seed = seed_for(step_seed, -1, mesh.replica)
@@ -269,17 +275,25 @@ class DistributedPipe:
     def _disagreement(self, inputs: Any, target: Any) -> NoReturn:
         """Raise on every rank, naming the ranks whose batch or step number differ from
         rank 0's (every rank calls this: all saw the same all-reduce)."""
-        mine = (self.steps, describe_tensors(_shapes(inputs)), describe_tensors(_shapes(target)))
-        seen: list[tuple[int, str, str] | None] = [None] * dist.get_world_size()
+        mine = (self.steps, describe_tensors(_shapes(inputs)),
+                describe_tensors(_shapes(target)), _fingerprint(inputs).item(),
+                _fingerprint(target).item())
+        seen: list[tuple[int, str, str, int, int] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(seen, mine)
-        said = [f"rank {r} is at step {steps} with inputs {x} and target {y}"
-                for r, (steps, x, y) in enumerate(seen)
-                if r == 0 or (steps, x, y) != seen[0]]
+
+        def values(r: int) -> str:   # where rank r's shapes are rank 0's
+            return "".join(f", {what} values other than rank 0's"
+                           for what, shapes, fingerprint in (("input", 1, 3), ("target", 2, 4))
+                           if r and seen[r][shapes] == seen[0][shapes]
+                           and seen[r][fingerprint] != seen[0][fingerprint])
+
+        said = [f"rank {r} is at step {steps} with inputs {x} and target {y}{values(r)}"
+                for r, (steps, x, y, *_) in enumerate(seen) if r == 0 or seen[r] != seen[0]]
         raise ValueError(f"the ranks were given different batches or are at different steps: "
                          f"{'; '.join(said)}. Every rank must call step the same number of "
-                         f"times with the same global batch (each replica takes its slice; "
-                         f"a DistributedSampler that gives each rank its own rows is not "
-                         f"what DistributedPipe needs)")
+                         f"times with the same global batch, shapes and values (each replica "
+                         f"takes its slice; a DistributedSampler that gives each rank its own "
+                         f"rows is not what DistributedPipe needs)")
 
     def _armed(self, action: Action) -> ContextManager[None]:
         """The block an action's backward runs in: DDP's all-reduce armed for the stage's
@@ -328,10 +342,10 @@ class DistributedPipe:
         mesh, m = self.mesh, self.schedule.microbatches
         loss, count = local_loss([runner.losses[i] for i in range(m)]) if runner is not None \
             else (None, None)
-        agreed = torch.tensor([0.0 if count is None else count.item(), float(count is not None)],
-                              dtype=torch.float64, device=mesh.device)
+        agreed = transfer(torch.tensor([count or 0.0, float(count is not None)],
+                                       dtype=torch.float64), mesh.device)
         dist.all_reduce(agreed)   # [total count, replicas whose loss_fn returned counts]
-        total, counted = agreed.tolist()
+        total, counted = read_back(agreed)
         if counted not in (0, mesh.dp):
             raise RuntimeError(f"loss_fn returned SumCount(loss_sum, count) on {counted:g} of "
                                f"the {mesh.dp} replicas and means on the others; return the "
@@ -365,16 +379,10 @@ class DistributedPipe:
         return Timeline(len(gathered), events, unit="s", title=title).shifted()
 
 
-def check_runs_in_processes(module: nn.Sequential, balance: Sequence[int]) -> None:
+def check_runs_in_processes(module: nn.Sequential) -> None:
     """Refuse, before any rank talks to another, what only the threaded `Pipe` runs:
-    skip connections between stages, `DeferredBatchNorm` and `WithDevice` layers. Each
-    message names `Pipe` (the README's feature table lists what runs where)."""
-    layer_stage = [s for s, count in enumerate(balance) for _ in range(count)]
-    crossing = skip_routes(module, layer_stage)
-    if crossing:
-        raise NotImplementedError(
-            f"skip connections between stages ({crossing}) are not sent between "
-            f"processes yet; choose a balance that keeps each within one stage, or use Pipe")
+    `DeferredBatchNorm` and `WithDevice` layers. Each message names `Pipe` (the README's
+    feature table lists what runs where)."""
     for name, layer in module.named_modules():
         if isinstance(layer, DeferredBatchNorm):
             raise NotImplementedError(
@@ -431,6 +439,16 @@ def check_no_weight_shared_across_ranks(module: nn.Module, stages: Sequence[nn.M
             f"holding a copy after each step")
 
 
+def _layout_key(inputs: Any, target: Any, device: torch.device) -> int:
+    """`p2p.batch_key` of what decides the layout of every message of a step: the
+    batch's shapes and dtypes, which of its tensors every micro-batch gets whole
+    (`NoChunk`), and autocast, which changes the dtypes stages compute in."""
+    whole = [isinstance(leaf, NoChunk) for leaf in tree.leaves((inputs, target))]
+    autocast = torch.is_autocast_enabled(device.type) and \
+        torch.get_autocast_dtype(device.type)
+    return batch_key(_shapes(inputs), _shapes(target), state=(whole, autocast))
+
+
 def _shapes(batch: Any) -> tuple[Any, ...]:
     """A batch's leaves, with `NoChunk` tensors unwrapped: what `describe_tensors` and
     `batch_key` read (the shape of a NoChunk mask matters as much as the others')."""
@@ -438,62 +456,40 @@ def _shapes(batch: Any) -> tuple[Any, ...]:
                  for leaf in tree.leaves(batch))
 
 
-class PointToPoint:
-    """The `executor.Transport` between processes: activations and gradients as
-    `p2p.Message`s to and from the neighbouring stages' ranks (``p2p`` moves them).
-    Skip connections never cross a process (`DistributedPipe` refuses them)."""
+def _fingerprint(batch: Any) -> Tensor:
+    """A number (int64, 0-dim, where the batch's first tensor is) that every value of the
+    batch's tensors and its position change: Σ bits(v_ij)·(1 + i·C + j) over each tensor
+    seen as rows × C columns, from its row and column sums. On the values' bit patterns,
+    in integers, so that it is exact and the same whatever order a device adds in;
+    computed where the tensors are, without reading them to the host: a few elementwise
+    passes over the batch (a token batch: well under a millisecond). A number, string,
+    flag or None in the batch counts by its repr."""
+    leaves = _shapes(batch)
+    device = next((t.device for t in leaves if isinstance(t, Tensor)), torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for t in leaves:
+        if isinstance(t, (str, int, float, type(None))):   # bool is an int
+            digest = hashlib.blake2b(repr(t).encode(), digest_size=7).digest()
+            total = total * 1_000_003 + int.from_bytes(digest, "little")
+        if not isinstance(t, Tensor):
+            continue
+        t = t.detach().resolve_conj().resolve_neg()   # the values, not a lazy view of them
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        if t.is_floating_point() or t.dtype == torch.bool:
+            t = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                        8: torch.int64}[t.element_size()])
+        rows = t.shape[0] if t.dim() else 1
+        columns = t.numel() // rows if rows else 0
+        grid = t.reshape(rows, columns)
+        # Summed in the bits' own width, wrapping: exact all the same (a sum modulo 2^k
+        # does not depend on the order), and faster than widening every element. The
+        # top bit folded into the lower half first: else two sign flips in a row (y
+        # against -y) would change its sum by 2^k, which wraps to nothing.
+        grid = grid ^ (grid >> 4 * grid.element_size())
+        by_row, by_column = (grid.sum(dim, dtype=grid.dtype).long() for dim in (1, 0))
+        mixed = (by_row.sum() + columns * (by_row * torch.arange(rows, device=t.device)).sum()
+                 + (by_column * torch.arange(columns, device=t.device)).sum())
+        total = total * 1_000_003 + mixed.to(device)
+    return total & (2**62 - 1)   # its negative fits in an int64 too
 
-    def __init__(self, transport: Transport, schedule: Schedule, mesh: Mesh):
-        self.transport, self.rank_of, self.mesh = transport, schedule.rank_of, mesh
-        self.last = schedule.stages - 1
-        self.where = f"rank {mesh.rank} (replica {mesh.replica}, pipe rank {mesh.pipe_rank})"
-
-    def receive(self, action: Action) -> Received:
-        s, i = action.stage, action.microbatch
-        if action.kind == "F" and s > 0:
-            message = Message("activation", s, i)
-            return _unpacked(self.transport.receive(self.rank_of(s - 1), message)), {}
-        if action.kind in ("B", "I") and s < self.last:
-            return self.transport.receive(self.rank_of(s + 1), Message("gradient", s, i)), {}
-        return None, {}
-
-    def send(self, action: Action, value: Any, skips: Mapping[Any, Any]) -> None:
-        s, i = action.stage, action.microbatch
-        if action.kind == "F":
-            self.transport.send(self.rank_of(s + 1), Message("activation", s + 1, i),
-                                _packed(value, self.mesh.device))
-        else:   # as the tuple of its leaves: stage s - 1 made the activation, so it
-            # knows the structure (see `StageRunner`)
-            self.transport.send(self.rank_of(s - 1), Message("gradient", s - 1, i),
-                                tuple(tree.leaves(value)))
-
-    def input_note(self, action: Action, value: Any) -> str:
-        s = action.stage
-        return (f"stage {s}'s input for micro-batch {action.microbatch}, from stage {s - 1} "
-                f"on pipe rank {self.rank_of(s - 1)}, was {describe_tensors(value)}")
-
-
-class _Slot:
-    """Stands for a tensor in the skeleton of an activation sent to another process."""
-
-
-def _packed(activation: Any, device: torch.device) -> Any:
-    """What crosses a process boundary for an activation: a tensor as it is; any other
-    tree as its skeleton (the tree with a `_Slot` for each tensor, pickled into a uint8
-    tensor), then its tensors, so that the receiver rebuilds dicts, lists and non-tensor
-    leaves. Reading the skeleton back costs a device-to-host copy on GPUs."""
-    if isinstance(activation, Tensor):
-        return activation
-    skeleton = pickle.dumps(tree.map_tensors(lambda _: _Slot(), activation))
-    return (torch.tensor(list(skeleton), dtype=torch.uint8, device=device),
-            *tree.tensors(activation))
-
-
-def _unpacked(message: Any) -> Any:
-    """The activation `_packed` sent."""
-    if isinstance(message, Tensor):
-        return message
-    skeleton, *tensors = message
-    it = iter(tensors)
-    return tree.map_leaves(lambda leaf: next(it) if isinstance(leaf, _Slot) else leaf,
-                           pickle.loads(bytes(skeleton.tolist())))

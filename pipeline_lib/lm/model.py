@@ -10,6 +10,7 @@ instead of receiving one as a second argument.
 from __future__ import annotations
 
 import math
+from typing import Container
 
 import torch
 from torch import nn
@@ -99,13 +100,21 @@ class Decoder(nn.Module):
         return self.linear(x)
 
 
-def transformer_lm(vocab_size: int, preset: str = "cpu", **overrides: float) -> nn.Sequential:
+def transformer_lm(vocab_size: int, preset: str = "cpu", *,
+                   layers: Container[int] | None = None, **overrides: float) -> nn.Sequential:
     """Build ``Sequential(Embedding, CausalBlock x nlayers, Decoder)``: ids -> logits.
 
     ``preset`` picks a row of :data:`PRESETS`; keyword ``overrides`` (``d_model``,
     ``nhead``, ``d_hid``, ``nlayers``, ``dropout``, ``max_len``) replace single values,
     e.g. ``transformer_lm(v, dropout=0.0)``. To size the big preset without allocating
-    it, build under ``with torch.device("meta"):``.
+    it, build under ``with torch.device("meta"):`` (which draws no random number).
+
+    ``layers``: the indices of the layers to keep (a pipeline rank's stages); the others
+    end on the meta device, shapes without memory. Each layer is built in turn, kept or
+    not, so the random generator goes through the same draws as for the whole model:
+    a kept layer holds the weights the whole model built from the same seed gives it,
+    and the generator ends in the same state. At most one layer that is not kept is
+    held at a time.
     """
     if preset not in PRESETS:
         raise ValueError(f"Unknown preset {preset!r}; choose one of {sorted(PRESETS)}.")
@@ -114,6 +123,10 @@ def transformer_lm(vocab_size: int, preset: str = "cpu", **overrides: float) -> 
     if unknown:
         raise TypeError(f"Unknown option(s) {sorted(unknown)}; allowed: {sorted(allowed)}.")
     cfg = {**PRESETS[preset], **overrides}
+    if layers is not None and (isinstance(layers, (int, str)) or not isinstance(layers, Container)):
+        raise TypeError(
+            f"layers= takes the indices of the layers to keep (e.g. range(0, 3)), got {layers!r}; "
+            "to set how many Transformer layers the model has, pass nlayers= instead.")
     d_model, nhead, nlayers = int(cfg["d_model"]), int(cfg["nhead"]), int(cfg["nlayers"])
     if vocab_size < 1 or nlayers < 1:
         raise ValueError(f"vocab_size and nlayers must be >= 1, got {vocab_size} and {nlayers}.")
@@ -122,8 +135,8 @@ def transformer_lm(vocab_size: int, preset: str = "cpu", **overrides: float) -> 
             f"d_model ({d_model}) must be even and divisible by nhead ({nhead}) so the "
             "attention heads and the sin/cos position table split it evenly."
         )
-    return nn.Sequential(
-        Embedding(vocab_size, d_model, cfg["dropout"], int(cfg.get("max_len", 5000))),
-        *[CausalBlock(d_model, nhead, int(cfg["d_hid"]), cfg["dropout"]) for _ in range(nlayers)],
-        Decoder(vocab_size, d_model),
-    )
+    makers = [lambda: Embedding(vocab_size, d_model, cfg["dropout"], int(cfg.get("max_len", 5000))),
+              *[lambda: CausalBlock(d_model, nhead, int(cfg["d_hid"]), cfg["dropout"])] * nlayers,
+              lambda: Decoder(vocab_size, d_model)]
+    return nn.Sequential(*(make() if layers is None or i in layers else make().to("meta")
+                           for i, make in enumerate(makers)))

@@ -1,11 +1,11 @@
 """Evaluate the model a `DistributedPipe` holds, across its ranks, without a backward.
 
 Evaluation has no backward to overlap with, so nothing is gained by pipelining it: each
-batch runs stage after stage, every stage on its rank, the activation travelling whole
-(as a pickled CPU tensor: evaluation is rare, so this favours plain code over speed).
-Each replica takes its rows of the batch; the loss is token-weighted as in
-`pipeline_lib.lm.loops.evaluate`: summed over every target token of every batch, then
-divided by their count.
+batch runs stage after stage, every stage on its rank, the activation travelling whole,
+from device to device (over NCCL between GPUs): a small header with its dtype and shape,
+then the tensor itself, never a pickled copy through the CPU. Each replica takes its
+rows of the batch; the loss is token-weighted as in `pipeline_lib.lm.loops.evaluate`:
+summed over every target token of every batch, then divided by their count.
 """
 from __future__ import annotations
 
@@ -24,6 +24,33 @@ from pipeline_lib.lm.data import get_batch
 from pipeline_lib.lm.loops import batch_starts, lm_loss
 
 
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+HEADER = 8   # dtype, number of dimensions, the shape
+
+
+def _send(x: Any, dst: int) -> None:
+    """Send an activation to global rank ``dst``: its header, then itself, both from the
+    device it is on."""
+    if not isinstance(x, Tensor) or x.dtype not in DTYPES or x.dim() > HEADER - 2:
+        raise TypeError(f"evaluate_pipeline sends one floating-point tensor of at most "
+                        f"{HEADER - 2} dimensions between stages, got {type(x).__name__} "
+                        f"{getattr(x, 'dtype', '')} {list(getattr(x, 'shape', []))}")
+    fields = [DTYPES.index(x.dtype), x.dim(), *x.shape]
+    header = torch.tensor(fields + [0] * (HEADER - len(fields)), dtype=torch.int64)
+    dist.send(header.to(x.device), dst)
+    dist.send(x.contiguous(), dst)
+
+
+def _receive(src: int, device: torch.device) -> Tensor:
+    """What `_send` sent from global rank ``src``, received on ``device``."""
+    header = torch.empty(HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, src)
+    dtype, ndim, *shape = header.tolist()   # evaluation is rare: this read costs nothing
+    x = torch.empty(shape[:ndim], dtype=DTYPES[dtype], device=device)
+    dist.recv(x, src)
+    return x
+
+
 def _forward_stages(pipe: DistributedPipe, stages: dict[int, nn.Module], inputs: Tensor) -> Any:
     """Run this rank's stages of one batch in stage order, receiving each stage's input
     from the rank before it and sending its output on; the last stage's output on its
@@ -33,13 +60,10 @@ def _forward_stages(pipe: DistributedPipe, stages: dict[int, nn.Module], inputs:
     x: Any = inputs
     for s in mine:
         if s > 0 and s - 1 not in stages:
-            received = [None]
-            dist.recv_object_list(received, src=mesh.global_rank(schedule.rank_of(s - 1)))
-            x = received[0]
+            x = _receive(mesh.global_rank(schedule.rank_of(s - 1)), mesh.device)
         x = stages[s](transfer(x, mesh.device))
         if s < schedule.stages - 1 and s + 1 not in stages:
-            dist.send_object_list([transfer(x, torch.device("cpu"))],
-                                  dst=mesh.global_rank(schedule.rank_of(s + 1)))
+            _send(x, mesh.global_rank(schedule.rank_of(s + 1)))
     return x if schedule.stages - 1 in stages else None
 
 

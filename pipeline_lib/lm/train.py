@@ -14,12 +14,17 @@ which stages it holds. The loops it shares with single-process training live in
 * tokens/s and, given the hardware's peak (``--peak-tflops``), the model FLOPs
   utilisation, 6 x parameters x tokens per second over the peak of every process;
 * checkpoints (``--save``, ``--resume``, `pipeline_lib.run_state`) that resume on another
-  ``--pp``/``--dp``.
+  ``--pp``/``--dp``;
+* a run that diverges (a loss or gradient of NaN or inf) stops, naming the step, before
+  its optimizer step, and its last good checkpoint stays (``--skip-nonfinite N`` skips up
+  to N such steps instead, as large runs do for a rare bad batch);
+* ``--steps`` beyond the data set's batches goes round it again (epochs).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -42,7 +47,7 @@ from pipeline_lib.lm.loops import batch_starts, lm_loss, lr_at, seed_everything
 from pipeline_lib.lm.model import PRESETS, transformer_lm
 from pipeline_lib.lm.pipeline_eval import evaluate_pipeline
 from pipeline_lib.partition import balance_by_params, balance_by_time
-from pipeline_lib.schedules import BUILDERS, stages_per_rank
+from pipeline_lib.schedules import BUILDERS, Schedule, plan, stages_per_rank
 from pipeline_lib.timeline import simulate_measured
 
 
@@ -80,6 +85,18 @@ def _number_in(low: float, high: float, fix: str, low_open: bool = False) -> Cal
             raise argparse.ArgumentTypeError(f"must be a number {where}, not {text!r}: {fix}")
         return value
     return parse
+
+
+def _seed(text: str) -> int:
+    """An argparse type: a seed `torch.manual_seed` takes (and the validation data's seed,
+    one more), else an error naming the range."""
+    if not text.strip().isdigit() or int(text) > _MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 0 to {_MAX_SEED} "
+                                         f"(2**64 - 2), not {text!r}")
+    return int(text)
+
+
+_MAX_SEED = 2**64 - 2
 
 
 def _writable_folder(parser: argparse.ArgumentParser, flag: str, folder: Path) -> None:
@@ -172,7 +189,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "saves after the last step only"))
     parser.add_argument("--resume", type=Path, default=None, metavar="DIR",
                         help="go on from the newest checkpoint in DIR, up to --steps in all")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=_seed, default=0)
+    parser.add_argument("--skip-nonfinite", default=0, metavar="N", type=_at_least_zero(
+        "stops at the first step whose loss or gradient norm is NaN or inf"),
+        help="skip (no optimizer step) up to N steps whose loss or gradient norm is NaN "
+        "or inf, and stop at the next; 0 stops at the first")
     parser.add_argument("--timeout", default=300.0, type=_number_in(
                         0, math.inf, "300 is the default", True),
                         help="seconds any single wait may take before it is an error")
@@ -250,21 +271,40 @@ def _precision(dtype: str, device: torch.device) -> Precision:
     return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-def _balance(model: nn.Module, sample: tuple[torch.Tensor, torch.Tensor], stages: int,
-             by: str, device: torch.device, precision: Precision) -> list[int]:
-    """Timing is noisy, so rank 0 measures and every rank uses its answer. It measures on
-    its own device, in the run's precision, with the loss on the last layer: layer times
-    on a CPU say little about a GPU's, where the output layer and the loss dominate."""
+def _balance(shapes: nn.Sequential, build: Callable[[], nn.Sequential],
+             sample: tuple[torch.Tensor, torch.Tensor], stages: int, by: str,
+             device: torch.device, precision: Precision) -> tuple[list[int], str]:
+    """The balance, and how it was found, for the log: by the parameters of ``shapes``
+    (the model on the meta device), or by time.
+
+    Timing is noisy, so rank 0 measures and every rank uses its answer. It measures a
+    model made by ``build`` on its own device (its weights are drawn there, and the
+    random generators put back after: the run's weights come from the seed as if
+    nothing had been timed), in the run's precision, with the loss on the last layer:
+    layer times on a CPU say little about a GPU's, where the output layer and the loss
+    dominate. The rank that logs is another one: the answer names rank 0's device."""
     if by == "params":
-        return balance_by_params(model, stages)
+        return balance_by_params(shapes, stages), "by params"
     answer = [None]
     if dist.get_rank() == 0:
         inputs, target = sample
-        with precision():
-            answer = [balance_by_time(model, inputs, stages, device=device, loss_fn=lm_loss,
-                                      target=target)]
+        gpus = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(gpus):
+            with torch.device(device):
+                model = build()
+            with precision():
+                timed = balance_by_time(model, inputs, stages, device=device,
+                                        loss_fn=lm_loss, target=target)
+        answer = [(timed, f"by time on {device} of rank 0")]
     dist.broadcast_object_list(answer, src=0)
     return answer[0]
+
+
+def _layers_on(schedule: Schedule, balance: list[int], pipe_rank: int) -> set[int]:
+    """The layers of the stages that ``schedule`` places on ``pipe_rank``."""
+    starts = list(itertools.accumulate(balance, initial=0))
+    return {layer for s in range(len(balance)) if schedule.rank_of(s) == pipe_rank
+            for layer in range(starts[s], starts[s + 1])}
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -290,46 +330,64 @@ def main(argv: list[str] | None = None) -> None:
             held.enter_context(run_state.claimed(args.save))
         source, valid, vocab = _tokens(args, mesh.rank)
         seed_everything(args.seed)
-        model = transformer_lm(vocab, args.preset)
-        parameters = sum(p.numel() for p in model.parameters())
+        with torch.device("meta"):   # the layers' shapes: no memory, no random draw
+            shapes = transformer_lm(vocab, args.preset)
+        parameters = sum(p.numel() for p in shapes.parameters())
         stages = args.pp * stages_per_rank(args.schedule, args.virtual_stages)
         precision = _precision(args.dtype, mesh.device)
         rows = max(1, args.batch // (args.dp * args.microbatches))   # one micro-batch
         sample = tuple(t[:rows] for t in get_batch(source, 0, args.bptt))
-        balance = _balance(model, sample, stages, args.balance, mesh.device, precision)
+        balance, balanced = _balance(shapes, lambda: transformer_lm(vocab, args.preset),
+                                     sample, stages, args.balance, mesh.device, precision)
+        # this rank's layers only, with the weights the whole model gets from the seed
+        mine = _layers_on(plan(args.schedule, args.pp, stages, args.microbatches), balance,
+                          mesh.pipe_rank)
+        model = transformer_lm(vocab, args.preset, layers=mine)
         pipe = DistributedPipe(model, mesh, balance, args.microbatches, args.schedule, args.checkpoint)
-        del model   # this rank keeps only its stages
+        del model
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
         done = run_state.resume(args.resume, pipe, balance, optimizer) if args.resume else 0
         # replica 0's rank holding the last stage has the loss: the last rank on a looped
         # schedule, rank 0 on a V (zb_v, dualpipe_v)
         logger = pipe.schedule.rank_of(pipe.schedule.stages - 1)
-        starts = batch_starts(source, args.bptt, args.steps)
-        if done >= len(starts):
-            raise ValueError(f"the checkpoint in {args.resume} has run {done} steps already, "
-                             f"and this run has {len(starts)}: raise --steps to go on")
+        # step k's batch starts at column batches[(k - 1) % len(batches)]: past the end of
+        # the split, it goes round again (an epoch more), whatever --steps says
+        batches, steps = batch_starts(source, args.bptt, None), args.steps
+        if done >= steps:
+            raise ValueError(f"the checkpoint in {args.resume} has run {done} steps "
+                             f"already, and this run has --steps {steps} in all: raise "
+                             f"--steps to go on")
         if mesh.rank == logger:
             _log(f"{pipe.schedule.name}: {args.pp} pipeline ranks x {args.dp} replicas, "
-                 f"stages {balance} (by {args.balance} on {mesh.device}), {args.microbatches} "
+                 f"stages {balance} ({balanced}), {args.microbatches} "
                  f"micro-batches, {args.dtype}, {parameters:,} parameters"
                  + (f", resumed after step {done}" if args.resume else ""))
-        bar = tqdm(range(done, len(starts)), desc="train", initial=done, total=len(starts),
+            if steps > len(batches):
+                _log(f"--steps {steps} goes {steps / len(batches):.2f} times over the "
+                     f"training data's {len(batches)} batches (epochs)")
+        skipped = 0
+        bar = tqdm(range(done, steps), desc="train", initial=done, total=steps,
                    disable=mesh.rank != logger)
         for step in (i + 1 for i in bar):
-            lr = lr_at(step - 1, args.lr, args.warmup, len(starts), args.lr_floor)
+            lr = lr_at(step - 1, args.lr, args.warmup, steps, args.lr_floor)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            inputs, targets = get_batch(source, starts[step - 1], args.bptt)
+            inputs, targets = get_batch(source, batches[(step - 1) % len(batches)], args.bptt)
             start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             with precision():
                 loss = pipe.step(inputs, targets, lm_loss)
             norm = clip_grad_norm_(pipe, args.clip) if args.clip else None
-            optimizer.step()
+            diverged = _nonfinite(loss, norm, pipe)
+            if diverged:
+                skipped += 1
+                _stop_or_skip(step, diverged, skipped, args, mesh.rank == logger)
+            else:
+                optimizer.step()
             if mesh.device.type == "cuda":   # time the update's kernels, not their launch
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
-            last = step == len(starts)
+            last = step == steps
             if args.save and (last or (args.save_every and step % args.save_every == 0)):
                 run_state.save(args.save, step, pipe, balance, optimizer)
             if last or (args.eval_every and step % args.eval_every == 0):
@@ -350,6 +408,47 @@ def main(argv: list[str] | None = None) -> None:
                  f"{simulate_measured(pipe.schedule, timeline).bubble_fraction():.1%} simulated")
             if args.timeline:
                 _write_atomically(Path(args.timeline), json.dumps(timeline.to_dict()))
+
+
+def _nonfinite(loss: torch.Tensor | None, norm: torch.Tensor | None,
+               pipe: DistributedPipe) -> str | None:
+    """What is NaN or inf this step, on any rank: the loss (on the ranks holding the last
+    stage) or the gradients (their norm, clipped or not). One all-reduce and one host
+    read per step, whatever the micro-batches."""
+    if norm is None:   # no clipping: the largest gradient, which NaN and inf reach too
+        grads = [p.grad for p in pipe.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, math.inf) if grads else None
+    device = pipe.mesh.device
+    bad = torch.zeros(2, device=device)
+    for k, value in enumerate((loss, norm)):
+        if value is not None:
+            bad[k] = (~value.to(device).isfinite()).float()
+    dist.all_reduce(bad)
+    loss_bad, grads_bad = bad.tolist()
+    found = [what for what, b in (("loss", loss_bad), ("gradient norm", grads_bad)) if b]
+    if not found:
+        return None
+    return f"the {' and the '.join(found)} {'are' if len(found) > 1 else 'is'} NaN or inf"
+
+
+def _stop_or_skip(step: int, diverged: str, skipped: int, args: argparse.Namespace,
+                  logs: bool) -> None:
+    """Skip step ``step``, whose ``diverged`` (no optimizer step), if ``--skip-nonfinite``
+    allows one more, saying so; else stop the run, on every rank, before its weights turn
+    NaN: the last checkpoint saved stays the newest."""
+    if skipped > args.skip_nonfinite:
+        latest = [folder / run_state.LATEST for folder in (args.save, args.resume)
+                  if folder and (folder / run_state.LATEST).is_file()]
+        kept = (f"the newest checkpoint, {latest[0].parent / latest[0].read_text().strip()}, "
+                f"is kept: resume from it" if latest else "start again")
+        raise RuntimeError(
+            f"step {step}: {diverged}: the run has diverged (or met a bad batch), and "
+            f"stops before this step's update ({skipped - 1} such step(s) skipped so far, "
+            f"--skip-nonfinite {args.skip_nonfinite}); {kept} with a lower --lr (now "
+            f"{args.lr:g}) or --clip, or let --skip-nonfinite N skip up to N such steps")
+    if logs:
+        _log(f"step {step:>5}  skipped: {diverged} ({skipped} of at most "
+             f"{args.skip_nonfinite} skipped)")
 
 
 def _step_line(step: int, loss: float, lr: float, norm: torch.Tensor | None, tokens: int,

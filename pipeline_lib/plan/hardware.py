@@ -38,6 +38,11 @@ class Cluster:
     the other end): on a CPU, handling it and resuming after the wait, when the rank's
     thread may come back on another core, its caches cold, or (threads of one process)
     find the GIL held; 0 on the GPU presets.
+    ``fp8_flops``: the dense FP8 matrix-multiply FLOP/s of the spec sheet (None where
+    the GPU has no FP8 tensor cores), which `Layout(fp8=True)` runs its Transformer
+    layers' multiplies at. ``reserved_bytes``: what a training process holds besides
+    the model's tensors (the CUDA context and kernels, cuBLAS workspaces, NCCL's
+    buffers, the caching allocator's unused blocks), added to every GPU's memory.
     """
 
     name: str
@@ -56,6 +61,8 @@ class Cluster:
     action_overhead: float = 0.0
     send_overhead: float = 0.0
     receive_overhead: float = 0.0
+    fp8_flops: float | None = None
+    reserved_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "hbm_bytes", "hbm_bandwidth", "intra_node_bandwidth",
@@ -69,6 +76,15 @@ class Cluster:
             if not 0 < value <= 1:
                 raise ValueError(f"Cluster {self.name!r}: {name} is a fraction of the "
                                  f"spec-sheet number, in (0, 1]; got {value!r}")
+        if self.fp8_flops is not None and not (isinstance(self.fp8_flops, (int, float))
+                                               and math.isfinite(self.fp8_flops)
+                                               and self.fp8_flops > 0):
+            raise ValueError(f"Cluster {self.name!r}: fp8_flops must be None or a positive "
+                             f"number, got {self.fp8_flops!r}")
+        if not (isinstance(self.reserved_bytes, (int, float)) and 0 <= self.reserved_bytes
+                < self.hbm_bytes):
+            raise ValueError(f"Cluster {self.name!r}: reserved_bytes must be >= 0 and less "
+                             f"than hbm_bytes, got {self.reserved_bytes!r}")
         if self.gpus_per_node < 1 or self.value_bytes not in (2, 4) or self.latency < 0 \
                 or min(self.kernel_overhead, self.backward_overhead or 0.0,
                        self.action_overhead, self.send_overhead, self.receive_overhead) < 0:
@@ -76,9 +92,14 @@ class Cluster:
                              f"2 or 4, and latency and the kernel, backward, action, send "
                              f"and receive overheads >= 0")
 
-    def gemm_seconds(self, flops: float, nbytes: float) -> float:
-        """A roofline: a kernel takes the longer of its compute and its memory traffic."""
-        return max(flops / (self.peak_flops * self.matmul_efficiency),
+    def gemm_seconds(self, flops: float, nbytes: float, fp8: bool = False) -> float:
+        """A roofline: a kernel takes the longer of its compute and its memory traffic
+        (in FP8, at ``fp8_flops``)."""
+        peak = self.fp8_flops if fp8 else self.peak_flops
+        if peak is None:
+            raise ValueError(f"Cluster {self.name!r} has no fp8_flops: FP8 matrix "
+                             f"multiplies need a GPU with FP8 tensor cores (H100, H800)")
+        return max(flops / (peak * self.matmul_efficiency),
                    nbytes / (self.hbm_bandwidth * self.bandwidth_efficiency)) \
             + self.kernel_overhead
 
@@ -112,28 +133,45 @@ A100_HBM, H100_HBM = 81920 * MiB, 81559 * MiB
 
 # Efficiency factors: the achieved fraction of peak FLOP/s on matrix multiplies and of
 # nominal bandwidth on HBM and links, over a whole training step (launch gaps, loss
-# scaling, gradient-norm kernels and other unmodelled work included, which is why they
-# sit below the 80-90% that a lone large GEMM or a lone nccl-tests run reaches).
-# A100: both fitted by `pipeline_lib.plan.calibrate` on three rows of Narayanan et al.
-# 2021, Table 1 (1.7B, 18.4B and 145.6B; plan.published names them; tests/test_plan.py checks that
-# these are the fit's result). H100: the matmul factor fitted the same way on Llama 3
-# 405B at 8,192 GPUs (Dubey et al. 2024, Table 4); one run fixes only one factor, so its
-# bandwidth factor is nccl-tests' ~80% of nominal NVLink bus bandwidth (doc/PERFORMANCE.md).
-A100_MATMUL, A100_BANDWIDTH = 0.71, 0.64
-H100_MATMUL, H100_BANDWIDTH = 0.59, 0.80
+# scaling, gradient-norm kernels and other unmodelled work included). Each GPU type's
+# two are fitted by `pipeline_lib.plan.calibrate` on the first third of its published
+# rows (`plan.published.CALIBRATION`: A100 on Megatron-LM's 2021 and NeMo's 2022 runs,
+# H100 on Llama 3's and NeMo's FP8 runs); tests/test_plan_accuracy.py checks that these
+# are the fit's result, bench/bench_plan.py --refit how far they move on the other
+# thirds. The bandwidth factor is the less determined of the two: on H100s it ends at
+# its bound of 1 on two thirds of three, transfers and memory-bound kernels as fast as
+# the spec sheet allows.
+A100_MATMUL, A100_BANDWIDTH = 0.61, 0.90
+H100_MATMUL, H100_BANDWIDTH = 0.54, 1.0
+# FP8 on an H100: the datasheet's 1,979 TFLOP/s dense is twice the 16-bit peak, but the
+# same kernels reach 1.2 PFLOP/s in FP8 where they reach 740 TFLOP/s in 16 bits
+# (FlashAttention-3, Shah et al. 2024, abstract): in practice FP8 multiplies run 1.62
+# times as fast as 16-bit ones, so the preset's FP8 rate is 1.62 × 989 TFLOP/s, reached
+# at the same matmul efficiency as the 16-bit multiplies.
+H100_FP8 = 989e12 * 1.2e15 / 740e12
+# What a training process holds on each GPU besides its tensors, at least: the CUDA
+# context with its kernels and cuBLAS's workspace (PyTorch's "CUDA semantics" notes: the
+# context takes several hundred MiB that memory_allocated() does not show) and NCCL's
+# buffers (NCCL_BUFFSIZE, 4 MiB per channel and peer by default: NCCL's environment
+# variables documentation), 1 GiB in all. The caching allocator's unused blocks come on
+# top and depend on the run; published runs that fit within a GiB of the memory (Llama
+# 3 405B at 8K, NeMo's 5B GPT) bound what can be added here.
+GPU_RESERVED = GiB
 
 CLUSTERS: dict[str, Cluster] = {
     # NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOP/s BF16/FP16 dense, 80 GB HBM2e at
     # 2,039 GB/s, NVLink 3 600 GB/s (300 per direction); DGX A100 / Selene: 8 GPUs per
     # node, 8 x 200 Gb/s HDR InfiniBand (25 GB/s per GPU).
     "A100-80GB": Cluster("A100-80GB", 312e12, A100_HBM, 2039 * GB, 8, 300 * GB, 25 * GB,
-                         A100_MATMUL, A100_BANDWIDTH),
+                         A100_MATMUL, A100_BANDWIDTH, reserved_bytes=GPU_RESERVED),
     # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s BF16 dense, 80 GB HBM3 at 3.35 TB/s,
     # NVLink 4 900 GB/s (450 per direction); DGX H100: 8 x 400 Gb/s NDR (50 GB/s per GPU).
     "H100-80GB": Cluster("H100-80GB", 989e12, H100_HBM, 3350 * GB, 8, 450 * GB, 50 * GB,
-                         H100_MATMUL, H100_BANDWIDTH),
+                         H100_MATMUL, H100_BANDWIDTH, fp8_flops=H100_FP8,
+                         reserved_bytes=GPU_RESERVED),
     # H800 SXM: the H100 die (same peak and HBM3) with NVLink cut to 400 GB/s (200 per
     # direction) for export; DeepSeek-V3 report Sec. 3.1: 8 x 400 Gb/s InfiniBand per node.
     "H800": Cluster("H800", 989e12, H100_HBM, 3350 * GB, 8, 200 * GB, 50 * GB,
-                    H100_MATMUL, H100_BANDWIDTH),
+                    H100_MATMUL, H100_BANDWIDTH, fp8_flops=H100_FP8,
+                    reserved_bytes=GPU_RESERVED),
 }

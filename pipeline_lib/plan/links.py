@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from pipeline_lib.distributed.p2p import HEADER_SLOTS, Message, pack
+from pipeline_lib.distributed.p2p import HEADER_SLOTS, encode, header_tensor
+from pipeline_lib.lowering import Message
 from pipeline_lib.plan.measure import block_work, median_seconds
 
 
@@ -93,7 +94,7 @@ def _message(message_bytes: int) -> list[torch.Tensor]:
 
 def _send_cost(rank: int, message_bytes: int, repeats: int) -> float:
     """What sending a message costs rank 0's core: packing its header and starting its
-    two sends into receives that rank 1 posted before them, as `p2p.Transport.send`
+    two sends into receives that rank 1 posted before them, as `p2p.PointToPoint.send`
     does (rank 1 returns 0)."""
     sends, activation = [], _message(message_bytes)[1]
     for _ in range(repeats):
@@ -102,8 +103,8 @@ def _send_cost(rank: int, message_bytes: int, repeats: int) -> float:
         time.sleep(0.001)           # the receives are posted before the sends start
         if rank == 0:
             start = time.perf_counter()
-            header, tensors = pack(Message("activation", 1, 0), activation)
-            works = [dist.isend(t, 1) for t in (torch.tensor(header), *tensors)]
+            layout, tensors = encode(Message("activation", 1, 0, 0), activation)
+            works = [dist.isend(t, 1) for t in (header_tensor(layout), *tensors)]
             sends.append(time.perf_counter() - start)
         for work in works:
             work.wait()

@@ -24,9 +24,11 @@ What the classic API did differently, and how each point maps onto `pipeline_lib
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Generic, Iterator, TypeVar
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from pipeline_lib import batchnorm
@@ -42,18 +44,22 @@ from pipeline_lib.threaded import pipe as threaded
 T = TypeVar("T")
 
 
+@dataclass(eq=False, repr=False)
 class LocalRRef(Generic[T]):
     """What the classic ``Pipe.forward`` returned: a reference to the output.
 
     The classic API returned a ``torch.distributed.rpc.RRef`` so that the output could
     one day live on another host; it was always local, as here, so
     ``local_value()`` and ``to_here()`` both just return it. No RPC is needed.
+
+    `DistributedDataParallel` looks into the output of the module it wraps for the
+    tensors the backward starts from (``find_unused_parameters=True`` walks the graph
+    from them; ``static_graph=True`` hooks its all-reduce onto them), and it unwrapped
+    an RRef for that. A dataclass registered with PyTorch's pytree is what it looks
+    into here: both flags then work as on the plain model.
     """
 
-    __slots__ = ("_value",)
-
-    def __init__(self, value: T):
-        self._value = value
+    _value: T
 
     def local_value(self) -> T:
         return self._value
@@ -76,6 +82,9 @@ class LocalRRef(Generic[T]):
 
     def __repr__(self) -> str:
         return f"LocalRRef({type(self._value).__name__})"
+
+
+pytree.register_dataclass(LocalRRef, serialized_type_name="pipeline_lib.sync.LocalRRef")
 
 
 def _stage_output(value: Any) -> Any:

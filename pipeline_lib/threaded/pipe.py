@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -19,10 +19,11 @@ from pipeline_lib.checkpoint import check_mode
 from pipeline_lib.devices import stage_devices
 from pipeline_lib.executor import Stopwatch, perf_clock, run_program
 from pipeline_lib.loss import StepGradients, check_grad_mode
+from pipeline_lib.lowering import LoweredSchedule, lower, lower_forward
 from pipeline_lib.microbatch import gather, split
 from pipeline_lib.partition import group_layers
 from pipeline_lib.rng import new_step_seed, streams_for
-from pipeline_lib.schedules import BUILDERS, Action, Schedule, plan
+from pipeline_lib.schedules import BUILDERS, Schedule, plan
 from pipeline_lib.skip import SkipKey, skip_routes
 from pipeline_lib.stage import LossFn, StageRunner
 from pipeline_lib.step import batch_loss, make_runners, split_batch, train_step
@@ -32,7 +33,23 @@ from pipeline_lib.threaded.threads import InProcess, Mailbox, run_threads
 from pipeline_lib.timeline import Timeline
 
 
-_claims = threading.Lock()   # guards every Pipe's ``_stepping`` flag
+_claims = threading.Condition()   # guards each Pipe's _stepping, _backwards and _held
+LOWERINGS_KEPT = 8          # per Pipe: the schedules of the last steps, lowered
+
+
+def _content(schedule: Any) -> Hashable:
+    """What a step's lowering depends on in ``schedule``: its name, or a `Schedule`'s
+    contents (a schedule changed in place since the last step is lowered again). One
+    that cannot be hashed (not made of `Action`s) gets a key of its own: `plan` says
+    what is wrong with it."""
+    try:
+        content = schedule if not isinstance(schedule, Schedule) else (
+            schedule.name, schedule.ranks, schedule.microbatches, schedule.virtual_stages,
+            schedule.placement, tuple(map(tuple, schedule.actions)))
+        hash(content)
+    except TypeError:
+        return object()
+    return content
 
 
 def _training(stage: nn.Module) -> bool:
@@ -108,10 +125,19 @@ class Pipe(nn.Module):
         allocator.for_stages(self.devices, keep_freed_memory)
         self.partitions = nn.ModuleList(s.to(d) for s, d in zip(stages, self.devices))
         self.timeline: Timeline | None = None
+        self._lowerings: dict[Hashable, LoweredSchedule] = {}   # see `_lowered`
         self._stepping = False   # a step is running (see `_one_step_at_a_time`)
+        self._backwards = 0      # backwards of pipe(x) adding into .grad (`_outside_steps`)
+        self._held: dict[Tensor, Tensor] = {}   # their gradients during a step, added after
 
     def __len__(self) -> int:
         return len(self.partitions)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling a Pipe saved before a step's bookkeeping grew: it starts empty."""
+        super().__setstate__(state)
+        for name, empty in (("_stepping", False), ("_backwards", 0), ("_held", {})):
+            self.__dict__.setdefault(name, empty)
 
     def _apply(self, fn: Any, recurse: bool = True) -> Pipe:
         """Refuse to move a stage off its device: ``pipe.devices`` says where each stage
@@ -130,19 +156,20 @@ class Pipe(nn.Module):
 
     # -- running programs: no half-finished state survives a failure -------------------
 
-    def _run(self, programs: list[list[Action]], runners: Mapping[int, Any],
-             inputs: list[Any], targets: list[Any], name: str) -> None:
-        """Each rank's program on a thread of its own (`executor.run_program`),
+    def _run(self, lowered: LoweredSchedule, runners: Mapping[int, Any],
+             inputs: list[Any], targets: list[Any]) -> None:
+        """Each rank's lowered program on a thread of its own (`executor.run_program`),
         recording ``self.timeline``. If it fails (a stage raised, or the caller was
         interrupted), every stage thread has stopped when it returns, and
         `DeferredBatchNorm` layers forget the mini-batch's micro-batches they have seen."""
+        programs, name = lowered.programs, lowered.schedule.name
         mailbox, last = Mailbox(), len(self.partitions) - 1
-        devices = [self.devices[program[0].stage] for program in programs]
+        devices = [self.devices[program[0].action.stage] for program in programs]
         clock = perf_clock()
         stopwatches = [Stopwatch(r, d, clock) for r, d in enumerate(devices)]
 
         def work(rank: int) -> None:
-            transport = InProcess(mailbox, self.devices, self.skip_routes, rank, devices[rank])
+            transport = InProcess(mailbox, self.devices, rank, devices[rank])
             run_program(programs[rank], runners, last, inputs, targets, transport,
                         stopwatches[rank], name)
             stopwatches[rank].events()   # on CUDA: the device's work is done here
@@ -194,10 +221,10 @@ class Pipe(nn.Module):
                                input_as_given=s == 0 and not wants_input_grads)
                    for s in range(n)]
         outputs: dict[int, Any] = {}
-        stages = {s: _Autograd(runners[s], modes, outputs if s == n - 1 else None)
+        stages = {s: _Autograd(runners[s], modes, outputs if s == n - 1 else None, self)
                   for s in range(n)}
-        programs = [[Action(s, "F", i) for i in range(m)] for s in range(n)]
-        self._run(programs, stages, micro, [None] * m, "forward")
+        self._run(self._lowered(("forward", m), lambda: lower_forward(n, m, self.skip_routes)),
+                  stages, micro, [None] * m)
         return gather([outputs[i] for i in range(m)])
 
     # -- scheduled training step ---------------------------------------------------------
@@ -216,16 +243,29 @@ class Pipe(nn.Module):
                                  f"{self.devices[first]}, not {self.devices[s]}")
         return schedule
 
+    def _lowered(self, key: Hashable, make: Callable[[], LoweredSchedule]) -> LoweredSchedule:
+        """``make()`` (a lowering) made once per ``key``: a step lowers nothing that an
+        earlier step with the same schedule and micro-batch count lowered."""
+        lowered = self._lowerings.pop(key, None) or make()
+        self._lowerings[key] = lowered   # the most recent last
+        while len(self._lowerings) > LOWERINGS_KEPT:
+            del self._lowerings[next(iter(self._lowerings))]
+        return lowered
+
     @contextlib.contextmanager
     def _one_step_at_a_time(self) -> Iterator[None]:
         """Refuse a step while another runs on this Pipe (called from another thread).
         Each step sets ``.grad`` aside, lets its stages add into it and scales what they
         added (`StepGradients`): two at once would take each other's gradients aside and
         scale them, a silently wrong result. The flag, not a lock held over the step, so
-        that a Pipe stays a plain object (``copy.deepcopy``, ``torch.save``)."""
+        that a Pipe stays a plain object (``copy.deepcopy``, ``torch.save``). A backward
+        of ``pipe(x)`` (from another thread, or from ``loss_fn``) is kept out of the
+        step's gradients instead (`_outside_steps`): the step waits for those adding
+        into ``.grad`` to end, and adds what those it held computed when it ends."""
         claimed = False
         try:
             with _claims:
+                _claims.wait_for(lambda: not self._backwards)
                 if self._stepping:
                     raise RuntimeError(
                         "Pipe.step was called while another step is running on this Pipe "
@@ -237,7 +277,51 @@ class Pipe(nn.Module):
             yield
         finally:
             if claimed:
-                self._stepping = False
+                with _claims:
+                    self._stepping = False
+                    held, self._held = self._held, {}
+                self._add_to_grads(held)
+
+    @contextlib.contextmanager
+    def _outside_steps(self) -> Iterator[dict[Tensor, Tensor] | None]:
+        """Where a stage backward of ``pipe(x)`` puts its weight gradients: None, into
+        ``.grad``, when no step runs (a step starting meanwhile waits for it); else a
+        dict, whose gradients are added to ``.grad`` once the step has ended, so that
+        the step does not scale them as its own. Nothing here waits for a step: on a
+        GPU, autograd runs this backward on the device's one thread, which the step's
+        own backwards need too."""
+        with _claims:
+            held = {} if self._stepping else None
+            if held is None:
+                self._backwards += 1
+        try:
+            yield held
+        finally:
+            if held is None:
+                with _claims:
+                    self._backwards -= 1
+                    _claims.notify_all()
+            else:
+                with _claims:
+                    if self._stepping:
+                        for p, g in held.items():
+                            self._held[p] = self._held[p] + g if p in self._held else g
+                        held = {}
+                self._add_to_grads(held)
+
+    def _add_to_grads(self, grads: dict[Tensor, Tensor]) -> None:
+        """Accumulate ``grads`` into ``.grad`` as autograd does (it holds each
+        parameter's lock), counted as a backward into ``.grad``: a step waits for it."""
+        if not grads:
+            return
+        with _claims:
+            self._backwards += 1
+        try:
+            torch.autograd.backward(list(grads), list(grads.values()))
+        finally:
+            with _claims:
+                self._backwards -= 1
+                _claims.notify_all()
 
     def step(self, inputs: Any, target: Any, loss_fn: LossFn,
              schedule: str | Schedule = "gpipe") -> Tensor:
@@ -248,9 +332,11 @@ class Pipe(nn.Module):
         mean-reduced scalar or a ``SumCount(loss_sum, count)`` (see `pipeline_lib.loss`);
         parameter gradients accumulate as ``loss.backward()`` of the whole batch's loss
         would add them (mean, or Σ loss_sum / Σ count), and that loss is returned,
-        detached. If the step fails or is interrupted, ``.grad`` is left as it was, and
-        every stage thread has stopped when it raises; an interrupt that comes while the
-        step commits its gradients is raised once they are in: the step then counts.
+        detached; an input tensor that requires grad gets the loss's gradient too (and
+        what it was computed from). If the step fails or is interrupted, ``.grad`` is
+        left as it was, and every stage thread has stopped when it raises; an interrupt
+        that comes while the step commits its gradients is raised once they are in: the
+        step then counts.
         One step at a time per Pipe: a second call while one runs (from another thread)
         raises `RuntimeError`.
         """
@@ -260,16 +346,21 @@ class Pipe(nn.Module):
     def _step(self, inputs: Any, target: Any, loss_fn: LossFn,
               schedule: str | Schedule) -> Tensor:
         check_grad_mode("Pipe.step")
-        micro_in, micro_target, weights = split_batch(inputs, target, self.chunks)
+        micro_in, micro_target, weights = split_batch(
+            inputs, target, self.chunks, pin=any(d.type == "cuda" for d in self.devices))
         m, n = len(micro_in), len(self.partitions)
-        plan = self._schedule(schedule, m)
+        lowered = self._lowered(
+            ("step", _content(schedule), m),
+            lambda: lower(self._schedule(schedule, m), self.skip_routes))
         runners = make_runners({s: (self.partitions[s], self.devices[s]) for s in range(n)},
                                n - 1, self.checkpoint, m, new_step_seed(), loss_fn,
-                               weights, rng=streams_for(plan.ranks))
+                               weights, rng=streams_for(lowered.ranks), inputs=inputs)
 
         def run() -> tuple[Tensor, float]:
-            self._run(plan.actions, runners, micro_in, micro_target, plan.name)
-            return batch_loss([runners[n - 1].losses[i] for i in range(m)])
+            self._run(lowered, runners, micro_in, micro_target)
+            loss, scale = batch_loss([runners[n - 1].losses[i] for i in range(m)])
+            runners[0].backward_into_caller(scale)
+            return loss, scale
 
         return train_step(self.parameters(), run, StepGradients)
 
@@ -280,14 +371,16 @@ class _Autograd:
     keeps its outputs in ``outputs``, for `gather`."""
 
     def __init__(self, runner: StageRunner, modes: ThreadState,
-                 outputs: dict[int, Any] | None):
+                 outputs: dict[int, Any] | None, pipe: Pipe):
         self.runner, self.device, self.modes, self.outputs = runner, runner.device, modes, outputs
+        self.pipe = pipe
         self.stashed: dict[int, dict[SkipKey, Tensor]] = {}
 
     def forward(self, microbatch: int, x: Any, target: Any = None,
                 skips: Mapping[SkipKey, Tensor] | None = None) -> Any:
         y, self.stashed[microbatch] = _StageFunction.run(self.runner, microbatch, x,
-                                                         dict(skips or {}), self.modes)
+                                                         dict(skips or {}), self.modes,
+                                                         self.pipe)
         if self.outputs is not None:
             self.outputs[microbatch] = y
         return y
@@ -304,10 +397,11 @@ class _StageFunction(torch.autograd.Function):
 
     @staticmethod
     def run(runner: StageRunner, microbatch: int, x: Any, skips: dict[SkipKey, Tensor],
-            modes: ThreadState) -> tuple[Any, dict[SkipKey, Tensor]]:
+            modes: ThreadState, pipe: Pipe) -> tuple[Any, dict[SkipKey, Tensor]]:
         """The stage's output and stashed tensors, connected to autograd if it is on.
         ``modes``: the caller's, whose autocast a checkpointed forward is replayed under
-        (autograd calls the backward on any thread, outside the caller's block)."""
+        (autograd calls the backward on any thread, outside the caller's block); the
+        backward keeps its weight gradients out of a running step of ``pipe``."""
         y = runner.forward(microbatch, x, skips=skips)
         stashed = runner.take_stashed(microbatch)
         if not torch.is_grad_enabled():
@@ -320,17 +414,18 @@ class _StageFunction(torch.autograd.Function):
         stashed_tensors = {k: t for k, t in stashed.items() if isinstance(t, Tensor)}
         popped = [k for k, t in skips.items() if isinstance(t, Tensor)]
         flat = iter(_StageFunction.apply(runner, microbatch, x, y, stashed_tensors, popped,
-                                         modes, trains, *tree.tensors(x),
+                                         (modes, pipe), trains, *tree.tensors(x),
                                          *(skips[k] for k in popped)))
         y = tree.map_tensors(lambda _: next(flat), y)
         return y, {k: next(flat) if k in stashed_tensors else t for k, t in stashed.items()}
 
     @staticmethod
     def forward(ctx, runner: StageRunner, microbatch: int, x: Any, y: Any,
-                stashed: dict[SkipKey, Tensor], popped: list[SkipKey], modes: ThreadState,
-                trains: Tensor, *inputs: Tensor) -> tuple[Tensor, ...]:
+                stashed: dict[SkipKey, Tensor], popped: list[SkipKey],
+                context: tuple[ThreadState, Pipe], trains: Tensor,
+                *inputs: Tensor) -> tuple[Tensor, ...]:
         ctx.runner, ctx.microbatch, ctx.y, ctx.stash_keys = runner, microbatch, y, list(stashed)
-        ctx.popped, ctx.modes = popped, modes
+        ctx.popped, (ctx.modes, ctx.pipe) = popped, context
         ctx.x_is_tensor = [isinstance(leaf, Tensor) for leaf in tree.leaves(x)]
         ctx.set_materialize_grads(False)   # None, not zeros, for outputs left unused
         outputs = [t.detach() for t in tree.tensors(y) + list(stashed.values())]
@@ -344,8 +439,9 @@ class _StageFunction(torch.autograd.Function):
         grad_y = tree.map_leaves(lambda v: next(it) if isinstance(v, Tensor) else None, ctx.y)
         runner, i = ctx.runner, ctx.microbatch
         # autograd runs backwards with grad mode off; a replay needs it on
-        with torch.enable_grad(), ctx.modes.autocast_applied():
-            grad_x = runner.backward(i, grad_y,
+        with ctx.pipe._outside_steps() as held, torch.enable_grad(), \
+                ctx.modes.autocast_applied():
+            grad_x = runner.backward(i, grad_y, into=held,
                                      skip_grads=dict(zip(ctx.stash_keys, grads[n:])))
         popped = runner.take_skip_grads(i)
         grad_x = [g for g, is_tensor in zip(tree.leaves(grad_x), ctx.x_is_tensor) if is_tensor] \

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Hashable, Mapping
+from typing import Any, Callable, Hashable
 
 import torch
 
 from pipeline_lib.devices import transfer
-from pipeline_lib.executor import Received
-from pipeline_lib.schedules import Action
-from pipeline_lib.skip import SkipError, SkipKey, SkipRoute, describe
+from pipeline_lib.lowering import Message, Receive
 from pipeline_lib.thread_state import ThreadState
 from pipeline_lib.interrupts import interrupts_held, wait_until_set
 
@@ -62,49 +60,24 @@ class Mailbox:
 
 
 class InProcess:
-    """The in-process `executor.Transport` of one stage thread: activations, gradients
-    and skip tensors go through the `Mailbox` shared by the threads, each moved to the
-    device of the stage that consumes it. A skip tensor goes straight from the stage
-    that stashed it to the one that pops it, and its gradient straight back."""
+    """The in-process `executor.Transport` of one stage thread: every message goes
+    through the `Mailbox` shared by the threads, keyed by its `lowering.Message`, moved to
+    the device of the stage that consumes it (a skip tensor straight from the stage that
+    stashed it to the one that pops it, and its gradient straight back)."""
 
-    def __init__(self, mailbox: Mailbox, devices: list[torch.device],
-                 routes: list[SkipRoute], rank: int, device: torch.device):
-        self.mailbox, self.devices, self.routes = mailbox, devices, routes
+    def __init__(self, mailbox: Mailbox, devices: list[torch.device], rank: int,
+                 device: torch.device):
+        self.mailbox, self.devices = mailbox, devices
         self.where = f"pipeline rank {rank} ({device})"
+        self.check = mailbox.check
 
-    def receive(self, action: Action) -> Received:
-        self.mailbox.check()
-        s, i, get = action.stage, action.microbatch, self.mailbox.get
-        if action.kind == "F":
-            x = get(("F", s, i)) if s > 0 else None
-            return x, {r.key: get(("skip", r.key, i)) for r in self.routes if r.target == s}
-        if action.kind in ("B", "I"):
-            grad = get(("B", s, i)) if s < len(self.devices) - 1 else None
-            return grad, {r.key: get(("skip-grad", r.key, i))
-                          for r in self.routes if r.source == s}
-        return None, {}
+    def receive(self, peer: int, message: Message) -> Any:
+        return self.mailbox.get(message)
 
-    def send(self, action: Action, value: Any, skips: Mapping[SkipKey, Any]) -> None:
-        s, i, put = action.stage, action.microbatch, self.mailbox.put
-        if action.kind == "F":
-            for route in self.routes:
-                if route.source != s:
-                    continue
-                if route.key not in skips:
-                    raise SkipError(f"stage {s} declares a stash of {describe(route.key)} "
-                                    f"but its forward of micro-batch {i} did not stash it; "
-                                    f"stage {route.target} would wait for it forever")
-                put(("skip", route.key, i), transfer(skips[route.key],
-                                                     self.devices[route.target]))
-            put(("F", s + 1, i), transfer(value, self.devices[s + 1]))
-            return
-        for route in self.routes:
-            if route.key in skips:
-                put(("skip-grad", route.key, i), transfer(skips[route.key],
-                                                          self.devices[route.source]))
-        put(("B", s - 1, i), transfer(value, self.devices[s - 1]))
+    def send(self, peer: int, message: Message, value: Any) -> None:
+        self.mailbox.put(message, transfer(value, self.devices[message.stage]))
 
-    def input_note(self, action: Action, value: Any) -> None:
+    def input_note(self, receive: Receive, value: Any) -> None:
         """Nothing to add: the input was made in this process, by the previous stage."""
 
 

@@ -49,7 +49,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch import Tensor, nn
 
-from pipeline_lib.course.exercises import ExerciseFailed, withheld
+from pipeline_lib.course.exercises import (ExerciseFailed, hidden_cases, ignores_namespace,
+                                           withheld)
 from pipeline_lib.course.pytorch_schedules import pytorch_schedule
 from pipeline_lib.lowering import Receive, lower
 from pipeline_lib.pytorch import notation, private, runner
@@ -430,19 +431,27 @@ def _lowered(name: str, ranks: int, microbatches: int, virtual: int) -> list[lis
     return private.schedule_ops(name, ranks, microbatches, virtual, with_comms=True)
 
 
-def check_from_lowered(from_lowered: Callable[..., Schedule],
-                       namespace: dict[str, Any] | None = None) -> None:
+def _lowered_case(rng: Any) -> tuple[str, int, int, int]:
+    """A PyTorch schedule and a size it accepts, for a drawn case."""
+    name = rng.choice(["Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble",
+                       "DualPipeV"])
+    p = rng.randint(2, 4)
+    v = 2 if name in ("ZBVZeroBubble", "DualPipeV") else rng.randint(2, 3)
+    return name, p, p * v * rng.randint(1, 2) if name == "DualPipeV" else p * rng.randint(1, 3), v
+
+
+@ignores_namespace(1)
+def check_from_lowered(from_lowered: Callable[..., Schedule]) -> None:
     """Exercise 6.2: ``from_lowered(ops, microbatches, name)`` reads each case of
-    `LOWERED_CASES` as `pytorch_schedule` does (computed first), places the stages as it
-    does, and the result validates. ``namespace``: the notebook's globals, whose names for
-    `pytorch_schedule` are withheld too. ``name`` is only a label, and not PyTorch's class
-    name, so an answer must read ``ops``: asking PyTorch for the named schedule again
-    fails."""
+    `LOWERED_CASES`, and two cases drawn for this run, as `pytorch_schedule` does
+    (computed first), places the stages as it does, and the result validates. ``name`` is
+    only a label, and not PyTorch's class name, so an answer must read ``ops``: asking
+    PyTorch for the named schedule again fails."""
     cases = [(name, p, m, v, _lowered(name, p, m, v), pytorch_schedule(name, p, m, v))
-             for name, p, m, v in LOWERED_CASES]
+             for name, p, m, v in
+             [*LOWERED_CASES, *hidden_cases(_lowered_case, 2, shown=LOWERED_CASES)]]
     for name, p, m, v, ops, library in cases:
-        with withheld("pipeline_lib.course.pytorch_schedules", "pipeline_lib.pytorch.notation",
-                      namespace=namespace):
+        with withheld("pipeline_lib.course.pytorch_schedules", "pipeline_lib.pytorch.notation"):
             yours = from_lowered(ops, m, f"lowered {name}")
         _check(isinstance(yours, Schedule), f"return a Schedule, got {type(yours).__name__}")
         _check(yours.ranks == p, f"{name}: {yours.ranks} ranks in yours, {p} in the lowered "
@@ -499,11 +508,13 @@ def _groups_of(make_groups: Callable[..., Any], rank: int, pp: int, dp: int
 
 
 def check_groups(make_groups: Callable[..., Any]) -> None:
-    """Exercise 6.3: on each of `MESHES`, every rank's ``make_groups(rank, pp, dp)``
-    creates the same groups in the same order (``new_group`` is collective), and returns
-    ``(pipeline_group, data_group)``: the ranks of its replica's pipeline, rank
-    ``replica * pp + pipe_rank``, and the ranks that hold the same stage."""
-    for pp, dp in MESHES:
+    """Exercise 6.3: on each of `MESHES` and on two meshes drawn for this run, every
+    rank's ``make_groups(rank, pp, dp)`` creates the same groups in the same order
+    (``new_group`` is collective), and returns ``(pipeline_group, data_group)``: the ranks
+    of its replica's pipeline, rank ``replica * pp + pipe_rank``, and the ranks that hold
+    the same stage. A message gives the group the learner's rank got, not the right one."""
+    drawn = hidden_cases(lambda rng: (rng.randint(2, 5), rng.randint(2, 4)), 2, shown=MESHES)
+    for pp, dp in [*MESHES, *drawn]:
         calls = {rank: _groups_of(make_groups, rank, pp, dp) for rank in range(pp * dp)}
         created = {rank: c for rank, (c, _) in calls.items()}
         differ = [rank for rank in created if created[rank] != created[0]]
@@ -522,12 +533,13 @@ def check_groups(make_groups: Callable[..., Any]) -> None:
             pipe, data = returned
             _check(pipe.ranks == want_pipe,
                    f"pp={pp}, dp={dp}: rank {rank} (replica {replica}, pipe rank "
-                   f"{pipe_rank}) got the pipeline group {list(pipe.ranks)}; its pipeline is "
-                   f"ranks {list(want_pipe)} (global rank = replica × pp + pipe rank, "
+                   f"{pipe_rank}) got the pipeline group {list(pipe.ranks)}, not the ranks "
+                   f"of its replica's pipeline (global rank = replica × pp + pipe rank, "
                    f"pipeline neighbours adjacent)")
             _check(data.ranks == want_data,
-                   f"pp={pp}, dp={dp}: rank {rank} got the data-parallel group "
-                   f"{list(data.ranks)}; the ranks that hold its stage are {list(want_data)}")
+                   f"pp={pp}, dp={dp}: rank {rank} (replica {replica}, pipe rank "
+                   f"{pipe_rank}) got the data-parallel group {list(data.ranks)}, not the "
+                   f"ranks that hold its stage (the same pipe rank in every replica)")
 
 
 # -- 6.4: a compute-only program lowered to its messages, by hand -----------------------------
@@ -571,34 +583,32 @@ def late_receives(schedule: Schedule) -> list[list[str]]:
     return rows
 
 
-def _lowering_cases(draws: int = 2) -> list[Schedule]:
-    """`LOWERING_CASES`, then ``draws`` random ones, new each run (the failure names its
-    sizes)."""
-    chosen = random.Random()
-    cases = list(LOWERING_CASES) + [(chosen.choice(_LOWERING_BUILDERS), chosen.randint(2, 4),
-                                     chosen.randint(2, 7)) for _ in range(draws)]
-    return [build(name, p, m) for name, p, m in cases]
+def _lowering_case(rng: random.Random) -> tuple[str, int, int]:
+    """A builder and a size for a drawn case of 6.4."""
+    return rng.choice(_LOWERING_BUILDERS), rng.randint(2, 4), rng.randint(2, 7)
 
 
-def check_lowering(lower_by_hand: Callable[..., Any],
-                   namespace: dict[str, Any] | None = None) -> None:
+def check_lowering(lower_by_hand: Callable[..., Any]) -> None:
     """Exercise 6.4: ``lower_by_hand(rows, placement)`` turns each case's compute-only rows
     (`Schedule.to_pytorch`, without overlapped pairs) and its stages' ranks into the rows of
     `late_receives`. Each case's answer is computed first; the learner's function then runs
-    with our lowering and PyTorch's notation module withheld (``namespace``: the notebook's
-    globals). What is wrong is said with our checks of a compute_comms program first
-    (`notation.check_messages`: a message missing, misplaced, or out of its link's order;
-    `runner.check_reduce_grad`), then as the first cell that differs."""
+    with our lowering and PyTorch's notation module withheld. The cases are
+    `LOWERING_CASES` and two drawn for this run. What is wrong is said with our checks of
+    a compute_comms program first (`notation.check_messages`: a message missing,
+    misplaced, or out of its link's order; `runner.check_reduce_grad`), then as the first
+    cell that differs, with the expected cell only for a shown case."""
     if not callable(lower_by_hand):
         _fail(f"lower_by_hand must be a function, got {type(lower_by_hand).__name__}")
-    for schedule in _lowering_cases():
+    drawn = hidden_cases(_lowering_case, 2, shown=LOWERING_CASES)
+    for name, p, m in [*LOWERING_CASES, *drawn]:
+        schedule = build(name, p, m)
         rows = schedule.to_pytorch(overlap=False)
         placement = [schedule.rank_of(s) for s in range(schedule.stages)]
         expected = late_receives(schedule)
         case = (f"{schedule.name}, {schedule.ranks} ranks, {schedule.microbatches} "
                 f"micro-batches, placement {placement}")
         with withheld("pipeline_lib.lowering", "pipeline_lib.pytorch.notation",
-                      "pipeline_lib.course.pytorch_schedules", namespace=namespace):
+                      "pipeline_lib.course.pytorch_schedules"):
             yours = lower_by_hand([list(row) for row in rows], list(placement))
         _check(isinstance(yours, (list, tuple)) and len(yours) == schedule.ranks
                and all(isinstance(row, (list, tuple)) for row in yours),
@@ -634,9 +644,10 @@ def check_lowering(lower_by_hand: Callable[..., Any],
             if list(got) != want:
                 k = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b),
                          min(len(got), len(want)))
+                shown = "" if (name, p, m) in drawn else \
+                    f", expected {want[k] if k < len(want) else 'the end'}"
                 _fail(f"{case}: rank {rank}, position {k}: yours "
-                      f"{got[k] if k < len(got) else 'ends'}, expected "
-                      f"{want[k] if k < len(want) else 'the end'}. A right program, but not "
+                      f"{got[k] if k < len(got) else 'ends'}{shown}. A right program, but not "
                       f"the one asked: each receive as late as its link allows (right before "
                       f"its action, after the link's earlier messages), each send right "
                       f"after its action, REDUCE_GRAD right after the stage's last backward "

@@ -95,12 +95,7 @@ class RankRecord:
 
 def write_ddp_pipeline_setup(workdir: str | Path, setup: Setup) -> Path:
     """Save the job; the records of an earlier job in ``workdir`` are removed."""
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    results.clear(workdir, RESULTS)
-    path = workdir / "setup.pt"
-    torch.save(asdict(setup), path)
-    return path
+    return results.write_setup(workdir, RESULTS, setup)
 
 
 def read_records(workdir: str | Path) -> list[RankRecord]:

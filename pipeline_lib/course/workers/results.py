@@ -9,6 +9,7 @@ has exactly ranks 0 .. size - 1.
 """
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,17 @@ def _files(folder: str | Path, prefix: str) -> dict[int, Path]:
         if number.isdigit():
             found[int(number)] = path
     return found
+
+
+def write_setup(folder: str | Path, prefix: str, setup: Any) -> Path:
+    """Save a job's ``setup`` (a dataclass) as ``folder/setup.pt``, for every rank to
+    read; an earlier run's ``PREFIX{rank}.pt`` files there are removed."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    clear(folder, prefix)
+    path = folder / "setup.pt"
+    torch.save(asdict(setup), path)
+    return path
 
 
 def clear(folder: str | Path, prefix: str) -> None:
