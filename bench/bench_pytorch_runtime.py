@@ -37,7 +37,7 @@ from bench_distributed import Config, batch, build, launcher_args, launcher_setu
 from pipeline_lib.course.pytorch_schedules import PYTORCH_NAMES
 from pipeline_lib.distributed.job import process_group
 from pipeline_lib.partition import balance_by_time
-from pipeline_lib.pytorch.runner import exported, runtime_for, stages_for
+from pipeline_lib.pytorch.runner import exported, run_step, runtime_for, stages_for
 from pipeline_lib.schedules import build as build_schedule, stages_per_rank
 from timing import Runner, alternate, paired_ratio  # bench/timing.py, beside this file
 
@@ -46,15 +46,12 @@ THEIRS = "PyTorch's"
 TARGET = 0.97          # ours at least this fast as PyTorch's builder: within 3%
 
 
-def stepper(schedule: Any, stages: list[Any], inputs: torch.Tensor,
+def stepper(schedule: Any, stages: list[Any], m: int, inputs: torch.Tensor,
             target: torch.Tensor) -> Runner:
     """One training step of ``schedule`` (ours or PyTorch's, the same call either way), and
     the zeroing of the gradients of the layers its ``stages`` hold."""
-    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-    args = (inputs,) if first else ()
-    kwargs = {"target": target, "losses": [], "return_outputs": False} if last else {}
     layers = nn.ModuleList(s.submod for s in stages)
-    return Runner(lambda: schedule.step(*args, **kwargs),
+    return Runner(lambda: run_step(schedule, stages, m, inputs, target),
                   lambda: layers.zero_grad(set_to_none=True))
 
 
@@ -72,11 +69,11 @@ def runners(config: Config, balances: dict[int, list[int]], m: int, folder: Path
         cls = getattr(pipelining, f"Schedule{theirs}")
         runtime = cls(stages if len(stages) > 1 else stages[0], n_microbatches=m,
                       loss_fn=lm_loss)
-        made[f"{ours} | {THEIRS}"] = stepper(runtime, stages, inputs, target)
+        made[f"{ours} | {THEIRS}"] = stepper(runtime, stages, m, inputs, target)
         for fmt in FORMATS:
-            csv = folder / f"{ours}-{fmt}.csv"
-            stages = stages_for(model, balance, exported(csv)[0], rank, device)
-            made[f"{ours} | {fmt}"] = stepper(runtime_for(stages, csv, m, lm_loss), stages,
+            csv = exported(folder / f"{ours}-{fmt}.csv")
+            stages = stages_for(model, balance, csv.schedule, rank, device)
+            made[f"{ours} | {fmt}"] = stepper(runtime_for(stages, csv, lm_loss), stages, m,
                                               inputs, target)
     return made
 

@@ -849,6 +849,19 @@ def test_6_4_wrong_answers_and_shortcuts_fail(answer, says):
         assert " ".join(row) not in str(failed.value)
 
 
+def test_6_4_a_drawn_case_fails_without_giving_its_answer():
+    """Right on the shown cases, receives first on the drawn ones: the message names the
+    case and the learner's cell, never the expected one."""
+    shown = [nb06.build(*case).to_pytorch(overlap=False) for case in nb06.LOWERING_CASES]
+
+    def right_where_shown(rows, placement):
+        answer = lower_by_hand if rows in shown else receives_first
+        return answer(rows, placement)
+    with pytest.raises(ExerciseFailed, match="A right program, but not the one asked") as failed:
+        nb06.check_lowering(right_where_shown)
+    assert "expected" not in str(failed.value)
+
+
 def test_6_4_stub_and_junk_fail():
     def stub(rows, placement):
         raise NotImplementedError

@@ -101,23 +101,70 @@ def test_torchrun_deadline_kills_the_job(tmp_path):
         torchrun("pipeline_lib.course.workers.torch_pipelining", [tmp_path], timeout=1)
 
 
-def test_pytorch_pipeline_equals_pipe_step(tmp_path):
-    """PyTorch's loss and gradients are ours, and its runtime runs our orders. (The
-    tracer split runs in the notebook; launching it here would trace on both ranks.)"""
-    model = tiny_model()
-    inputs, targets = torch.randint(0, CONFIG["vocab_size"], (2, 4, 6))
-    write_pipelining_setup(tmp_path, CONFIG, model, inputs, targets, balance=[2, 2])
-    stale = tmp_path / "gpipe-manual"
+# -- one torchrun job per process count: PyTorch's classes, then our schedules exported ------
+
+# 2 processes: every builder at m = 1 (fewer micro-batches than ranks) and m = 5 (interleaved
+# in uneven rounds of 3 and 2; DualPipeV with its overlapped pairs), both CSV formats at 5.
+ON_2 = [(name, m, fmt) for name in BUILDERS for m, fmt in
+        [(1, "compute_only"), (5, "compute_only"), (5, "compute_comms")]]
+# 4 processes: every builder once, at sizes PyTorch's own builders refuse where they have one
+ON_4 = [("gpipe", 2, "compute_only"), ("1f1b", 2, "compute_only"),
+        ("zb_h1", 6, "compute_only"), ("zb_h2", 9, "compute_only"),
+        ("interleaved_1f1b", 9, "compute_comms"), ("interleaved_zero_bubble", 9, "compute_comms"),
+        ("looped_bfs", 6, "compute_comms"), ("zb_v", 6, "compute_comms"),
+        ("dualpipe_v", 6, "compute_comms")]
+NAMED = [("gpipe", "manual"), ("1f1b", "manual")]      # PyTorch's classes, m = 2
+WIDER = dict(CONFIG, nlayers=6)                         # 8 layers: 8 stages on 4 ranks
+
+
+def exported_setup(folder, ranks, config, runs):
+    """``setup.pt`` for a job of ``ranks`` processes, and each of ``runs`` exported to a CSV
+    there: what the job starts from, and each CSV's schedule."""
+    torch.manual_seed(0)
+    model = transformer_lm(**config)
+    rows = 2 * math.lcm(2, *(m for _, m, _ in runs))
+    inputs, targets = torch.randint(0, config["vocab_size"], (2, rows, 5))
+    layers = len(model)
+    write_pipelining_setup(folder, config, model, inputs, targets, [layers // 2] * 2,
+                           balances=[[layers // s] * s for s in (4, 8) if s <= layers])
+    schedules = {}
+    for name, m, fmt in runs:
+        path = folder / f"{name}-{m}-{fmt}.csv"
+        schedules[path] = build(name, ranks, m)
+        schedules[path].to_csv(path, format=fmt)
+    return model, inputs, targets, schedules
+
+
+def launch(folder, ranks, csvs, *named):
+    """One torchrun job: the ``named`` runs' arguments, then every CSV."""
+    torchrun("pipeline_lib.course.workers.torch_pipelining",
+             [folder, *named, "--csv", ",".join(map(str, csvs)), "--steps", "1"],
+             nproc=ranks, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def on_2(tmp_path_factory):
+    """The one 2-process job: PyTorch's GPipe and 1F1B classes, then ON_2's CSVs."""
+    folder = tmp_path_factory.mktemp("on_2")
+    started = exported_setup(folder, 2, CONFIG, ON_2)
+    stale = folder / "gpipe-manual"
     stale.mkdir()
     (stale / "rank2.pt").write_bytes(b"left by an earlier run on 3 processes: not read")
-    torchrun("pipeline_lib.course.workers.torch_pipelining",
-             [tmp_path, "--runs", "gpipe:manual,1f1b:manual", "--microbatches", "2",
-              "--steps", "1"], timeout=120)
-    for schedule, split in [("gpipe", "manual"), ("1f1b", "manual")]:
-        reference = tiny_model()
+    launch(folder, 2, started[3], "--runs",
+           ",".join(f"{schedule}:{split}" for schedule, split in NAMED), "--microbatches", "2")
+    return folder, started
+
+
+def test_pytorch_pipeline_equals_pipe_step(on_2):
+    """PyTorch's loss and gradients are ours, and its runtime runs our orders. (The
+    tracer split runs in the notebook; launching it here would trace on both ranks.)"""
+    folder, (model, inputs, targets, _) = on_2
+    for schedule, split in NAMED:
+        reference = transformer_lm(**CONFIG)
+        reference.load_state_dict(model.state_dict())
         loss = Pipe(reference, chunks=2, checkpoint="never", balance=[2, 2]).step(
             inputs, targets, lm_loss, schedule=schedule)
-        run = read_run(tmp_path, schedule, split)
+        run = read_run(folder, schedule, split)
         assert run.loss == pytest.approx(loss.item(), rel=1e-6)
         assert sorted(run.grads) == sorted(n for n, _ in reference.named_parameters())
         for name, param in reference.named_parameters():
@@ -130,47 +177,24 @@ def test_pytorch_pipeline_equals_pipe_step(tmp_path):
         assert run.step_seconds >= run.timeline.makespan > 0
 
 
-# -- our schedules, exported, on PyTorch's runtime (one torchrun launch per process count) ----
-
-EXPORTED = dict(vocab_size=40, d_model=16, nhead=2, d_hid=32, nlayers=6, dropout=0.0)
-BALANCES = ([4, 4], [2, 2, 2, 2], [1] * 8)         # 8 layers in 2, 4 or 8 stages
-# 2 processes: every builder at m = 1 (fewer micro-batches than ranks) and m = 5 (interleaved
-# in uneven rounds of 3 and 2; DualPipeV with its overlapped pairs), both CSV formats at 5.
-ON_2 = [(name, m, fmt) for name in BUILDERS for m, fmt in
-        [(1, "compute_only"), (5, "compute_only"), (5, "compute_comms")]]
-# 4 processes: every builder once, at sizes PyTorch's own builders refuse where they have one
-ON_4 = [("gpipe", 2, "compute_only"), ("1f1b", 2, "compute_only"),
-        ("zb_h1", 6, "compute_only"), ("zb_h2", 9, "compute_only"),
-        ("interleaved_1f1b", 9, "compute_comms"), ("interleaved_zero_bubble", 9, "compute_comms"),
-        ("looped_bfs", 6, "compute_comms"), ("zb_v", 6, "compute_comms"),
-        ("dualpipe_v", 6, "compute_comms")]
-
-
-@pytest.mark.parametrize("ranks, runs", [(2, ON_2), (4, ON_4)], ids=["2 processes", "4 processes"])
-def test_every_schedule_runs_in_pytorchs_runtime_with_the_unpipelined_gradients(tmp_path, ranks,
-                                                                                runs):
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_every_schedule_runs_in_pytorchs_runtime_with_the_unpipelined_gradients(
+        request, tmp_path, ranks):
     """Each schedule exported to a CSV (`Schedule.to_csv`) and run by PyTorch's
     `_PipelineScheduleRuntime` in `ranks` gloo processes, its stages cut by our
     `group_layers`: the loss and every gradient are the unpipelined model's, every rank ran
     our order action for action, and none called `batch_isend_irecv`, which has hung on
     gloo (PyTorch's own Schedule1F1B calls it: `test_pytorch_pipeline_equals_pipe_step`)."""
-    torch.manual_seed(0)
-    model = transformer_lm(**EXPORTED)
-    rows = 2 * math.lcm(*(m for _, m, _ in runs))
-    inputs, targets = torch.randint(0, EXPORTED["vocab_size"], (2, rows, 5))
-    write_pipelining_setup(tmp_path, EXPORTED, model, inputs, targets, BALANCES[0],
-                           balances=BALANCES[1:])
-    schedules = {tmp_path / f"{name}-{m}-{fmt}.csv": (build(name, ranks, m), fmt)
-                 for name, m, fmt in runs}
-    for path, (schedule, fmt) in schedules.items():
-        schedule.to_csv(path, format=fmt)
-    torchrun("pipeline_lib.course.workers.torch_pipelining",
-             [tmp_path, "--csv", ",".join(map(str, schedules)), "--steps", "1"], nproc=ranks,
-             timeout=240)
+    if ranks == 2:
+        folder, (model, inputs, targets, schedules) = request.getfixturevalue("on_2")
+    else:
+        folder, (model, inputs, targets, schedules) = tmp_path, exported_setup(tmp_path, 4,
+                                                                               WIDER, ON_4)
+        launch(folder, 4, schedules)
     loss = lm_loss(model(inputs), targets)
     loss.backward()
-    for path, (schedule, fmt) in schedules.items():
-        run = read_csv_run(tmp_path, path)
+    for path, schedule in schedules.items():
+        run = read_csv_run(folder, path)
         assert run.loss == pytest.approx(loss.item(), rel=1e-5)
         assert sorted(run.grads) == sorted(name for name, _ in model.named_parameters())
         for name, param in model.named_parameters():

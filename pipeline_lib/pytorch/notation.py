@@ -399,9 +399,11 @@ def check_messages(rows: Sequence[Sequence[Token]], schedule: Schedule) -> None:
                 if message in table[rank]:
                     raise ScheduleError(f"{where} appears twice (also column "
                                         f"{table[rank][message]})")
-                producer = _producer(message, schedule)
-                if table is sends and producer not in done:
-                    raise ScheduleError(f"{where} sends before {producer} computes it")
+                kinds = "F" if message.kind == "activation" else "IB"
+                if table is sends and not any(Action(message.source, kind, message.microbatch)
+                                              in done for kind in kinds):
+                    raise ScheduleError(f"{where} sends before {_producer(message, schedule)} "
+                                        f"computes it")
                 table[rank][message] = column
             for a in compute_actions(token):
                 missing = [m for m in waits[a] if m not in receives[rank]]

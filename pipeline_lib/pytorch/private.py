@@ -2,11 +2,11 @@
 
 Running a schedule of our own in PyTorch needs names that ``torch.distributed.pipelining``
 keeps private (a leading underscore: no promise they stay): the runtime that executes a
-per-rank list of actions, `_PipelineScheduleRuntime`, with its ``_load_csv`` and
-``_dump_csv``; the action type `_Action` and its enum `_ComputationType`; the lowering
-passes `_add_send_recv`, `_add_unshard_reshard` and `_add_reduce_grad`; `_validate_schedule` and `_format_pipeline_order`; the schedule
-visualiser's ``get_schedule_ops``, which builds PyTorch's own schedules without processes;
-and the stages' base class `_PipelineStageBase` (what the tracer's stages are), whose
+per-rank list of actions, `_PipelineScheduleRuntime`, with its ``_load_csv``; the
+action type `_Action`; the lowering passes `_add_send_recv`, `_add_unshard_reshard` and
+`_add_reduce_grad`, and `_validate_schedule`; the schedule visualiser's
+``get_schedule_ops``, which builds PyTorch's own schedules without processes; and the
+stages' base class `_PipelineStageBase` (what the tracer's stages are), whose
 per-micro-batch methods notebook 06's worker times.
 torchtitan imports the same names for its ``pipeline_parallel_schedule_csv``.
 
@@ -35,20 +35,14 @@ _VISUALIZER = "torch.distributed.pipelining._schedule_visualizer"
 
 #: our name -> (module, PyTorch's name, the members we use on it)
 NAMES: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "Runtime": (_SCHEDULES, "_PipelineScheduleRuntime",
-                ("_load_csv", "_dump_csv", "_prepare_schedule_with_comms", "step")),
+    "Runtime": (_SCHEDULES, "_PipelineScheduleRuntime", ("_load_csv", "step")),
     "Action": (_SCHEDULES, "_Action",
                ("from_str", "stage_index", "computation_type", "microbatch_index",
                 "sub_actions")),
-    "ComputationType": (_SCHEDULES, "_ComputationType",
-                        ("FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT",
-                         "SEND_F", "RECV_F", "SEND_B", "RECV_B", "OVERLAP_F_B",
-                         "REDUCE_GRAD")),
     "add_send_recv": (_SCHEDULES, "_add_send_recv", ()),
     "add_unshard_reshard": (_SCHEDULES, "_add_unshard_reshard", ()),
     "add_reduce_grad": (_SCHEDULES, "_add_reduce_grad", ()),
     "validate_schedule": (_SCHEDULES, "_validate_schedule", ()),
-    "format_pipeline_order": (_SCHEDULES, "_format_pipeline_order", ()),
     "get_schedule_ops": (_VISUALIZER, "get_schedule_ops", ()),
     "StageBase": ("torch.distributed.pipelining.stage", "_PipelineStageBase",
                   ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")),

@@ -9,10 +9,10 @@ What the runtime needs from us, per rank:
 * `stages_for`: the rank's stages, the ones the schedule places on it (looped or a V),
   cut from the model by our `partition.group_layers` with the balance `Pipe` and
   `DistributedPipe` use, so that every gradient can be compared with theirs;
-* `runtime_for`: the runtime over those stages, the CSV loaded (its format read from its
-  cells), with a ``compute_comms`` file checked for what PyTorch does not check;
-* `run_step`: one training step, inputs on the rank holding the first stage, targets on
-  the one holding the last.
+* `exported`, `runtime_for`: the CSV read and checked (a ``compute_comms`` file for what
+  PyTorch does not check), and the runtime over the rank's stages with it loaded;
+* `run_step`: one training step of it (or of a PyTorch schedule class), inputs on the
+  rank holding the first stage, targets on the one holding the last.
 
 The job itself (``torchrun``, a process group) is the caller's: notebook 06's worker
 (`pipeline_lib.course.workers.torch_pipelining`), the tests, ``bench/bench_pytorch_runtime.py``.
@@ -28,7 +28,7 @@ where PyTorch's own ``Schedule1F1B``, which fuses a send with the next receive, 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,17 +57,25 @@ def stages_for(model: nn.Sequential, balance: Sequence[int], schedule: Schedule,
             for s in schedule.stages_on(rank)]
 
 
-def exported(path: str | Path) -> tuple[Schedule, str]:
-    """The validated `Schedule` a schedule CSV holds (its compute order and placement,
-    which `stages_for` needs before the runtime reads the file) and its format; a
-    ``compute_comms`` file's messages checked (`notation.check_messages`), and its
-    ``REDUCE_GRAD`` actions (`check_reduce_grad`)."""
+class Exported(NamedTuple):
+    """A schedule CSV, read and checked (`exported`): the `Schedule` it holds (its compute
+    order and placement, which `stages_for` needs before the runtime reads the file) and
+    its format."""
+
+    path: Path
+    schedule: Schedule
+    format: str
+
+
+def exported(path: str | Path) -> Exported:
+    """The schedule CSV at ``path``, validated: a ``compute_comms`` file's messages checked
+    (`notation.check_messages`), and its ``REDUCE_GRAD`` actions (`check_reduce_grad`)."""
     rows = read_csv(path)
     schedule = from_csv(path)
     fmt = csv_format(rows)
     if fmt == "compute_comms":
         check_reduce_grad(rows)
-    return schedule, fmt
+    return Exported(Path(path), schedule, fmt)
 
 
 def check_reduce_grad(rows: Sequence[Sequence[Any]]) -> None:
@@ -93,41 +101,37 @@ def check_reduce_grad(rows: Sequence[Sequence[Any]]) -> None:
                     f"would be that many times too large. Add it (Schedule.to_csv writes it)")
 
 
-def runtime_for(stages: Sequence[PipelineStage], path: str | Path, microbatches: int,
+def runtime_for(stages: Sequence[PipelineStage], csv: Exported,
                 loss_fn: Callable[[Tensor, Tensor], Tensor], scale_grads: bool = True) -> Any:
     """PyTorch's ``_PipelineScheduleRuntime`` over this rank's ``stages``, with the program
-    of the schedule CSV at ``path`` loaded (``compute_only`` or ``compute_comms``, read off
-    its cells). ``scale_grads``: divide the gradients by ``microbatches`` (PyTorch's
-    default; right for a loss that is a mean over the micro-batch)."""
-    schedule, fmt = exported(path)
-    if schedule.microbatches != microbatches:
-        raise ValueError(f"{path} runs {schedule.microbatches} micro-batches, not "
-                         f"{microbatches}")
-    runtime = private.Runtime(list(stages), microbatches, loss_fn=loss_fn,
+    of the schedule CSV ``csv`` (`exported`) loaded in its format. ``scale_grads``: divide
+    the gradients by the number of micro-batches (PyTorch's default; right for a loss
+    that is a mean over the micro-batch)."""
+    runtime = private.Runtime(list(stages), csv.schedule.microbatches, loss_fn=loss_fn,
                               scale_grads=scale_grads)
-    runtime._load_csv(str(path), format=fmt)
+    runtime._load_csv(str(csv.path), format=csv.format)
     return runtime
 
 
-def run_step(runtime: Any, inputs: Tensor | None, targets: Tensor | None,
+def run_step(schedule: Any, stages: Sequence[PipelineStage], microbatches: int,
+             inputs: Tensor | None, targets: Tensor | None,
              losses: list[Tensor] | None = None) -> None:
-    """One forward-backward step of ``runtime``: the batch's ``inputs`` go to the rank that
-    holds the first stage, ``targets`` to the one holding the last, which appends each
-    micro-batch's loss to ``losses``; others pass None. The batch's rows must split into
-    equal micro-batches: the runtime allocates its receive buffers from the first one's
-    shape, and a smaller one would arrive in a buffer of the wrong size."""
-    stages = runtime._stages
+    """One forward-backward step of a PyTorch schedule (`runtime_for`'s runtime, or a
+    class such as ``Schedule1F1B``) over this rank's ``stages``, in ``microbatches``
+    micro-batches: the batch's ``inputs`` go to the rank that holds the first stage,
+    ``targets`` to the one holding the last, which appends each micro-batch's loss to
+    ``losses``; others pass None. The batch's rows must split into equal micro-batches:
+    the runtime allocates its receive buffers from the first one's shape, and a smaller
+    one would arrive in a buffer of the wrong size."""
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-    m = runtime._n_microbatches
     for name, batch, needed in [("inputs", inputs, first), ("targets", targets, last)]:
         if needed and batch is None:
             raise ValueError(f"this rank holds the {'first' if name == 'inputs' else 'last'} "
                              f"stage: pass the batch's {name}")
-        if needed and batch.size(0) % m:
-            raise ValueError(f"a batch of {batch.size(0)} rows does not split into {m} equal "
-                             f"micro-batches, which PyTorch's runtime needs (its receive "
-                             f"buffers take the first micro-batch's shape)")
+        if needed and batch.size(0) % microbatches:
+            raise ValueError(f"a batch of {batch.size(0)} rows does not split into "
+                             f"{microbatches} equal micro-batches, which PyTorch's runtime "
+                             f"needs (its receive buffers take the first micro-batch's shape)")
     args = (inputs,) if first else ()
-    kwargs = {"target": targets, "losses": losses} if last else {}
-    runtime.step(*args, **kwargs)
-
+    kwargs = {"target": targets, "losses": losses, "return_outputs": False} if last else {}
+    schedule.step(*args, **kwargs)

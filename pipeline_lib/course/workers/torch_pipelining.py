@@ -17,15 +17,16 @@ This file is also the torchrun worker that runs them and writes what happened::
     torchrun --nproc-per-node 2 -m pipeline_lib.course.workers.torch_pipelining WORKDIR \\
         --runs gpipe:manual,1f1b:tracer --microbatches 4
 
-With ``--csv A.csv,B.csv`` it runs instead schedules exported from ours
-(`Schedule.to_csv`) on PyTorch's ``_PipelineScheduleRuntime`` (`pipeline_lib.pytorch.runner`),
-each CSV in turn, every stage cut by our `group_layers` with ``setup.pt``'s balance for
-that many stages; `read_csv_run` reads one back.
+With ``--csv A.csv,B.csv`` it runs (after the ``--runs``, in the same job) schedules
+exported from ours (`Schedule.to_csv`) on PyTorch's ``_PipelineScheduleRuntime``
+(`pipeline_lib.pytorch.runner`), each CSV in turn, every stage cut by our `group_layers`
+with ``setup.pt``'s balance for that many stages; `read_csv_run` reads one back.
 
-With ``--mesh PPxDP`` (and ``--nproc-per-node PP*DP``) it runs instead one 1F1B step of
+With ``--mesh PPxDP`` (and ``--nproc-per-node PP*DP``) it runs, last, one 1F1B step of
 DP replicas of a PP-stage pipeline (`mesh_step`): the stages built on the meta device
 then materialised, `PipelineStage(..., group=)` on a device mesh's pipeline group, the
-gradients averaged over its data-parallel group.
+gradients averaged over its data-parallel group. What is asked runs in one job, so the
+processes start once.
 
 ``WORKDIR/setup.pt`` (`write_pipelining_setup`) holds the model's config and weights and
 one batch;
@@ -57,7 +58,7 @@ from pipeline_lib.distributed.job import process_group
 from pipeline_lib.lm.model import Embedding, transformer_lm
 from pipeline_lib.course import pytorch_schedules
 from pipeline_lib.pytorch import private
-from pipeline_lib.pytorch.runner import exported, run_step, runtime_for, stages_for
+from pipeline_lib.pytorch.runner import Exported, exported, run_step, runtime_for, stages_for
 from pipeline_lib.schedules import Action, Schedule
 from pipeline_lib.timeline import Event, Timeline
 from pipeline_lib.lm.loops import lm_loss
@@ -310,16 +311,8 @@ def _run(setup: dict[str, Any], schedule: str, split: str, microbatches: int,
     events: list[Event] = []
     record_actions(stage, events)
     losses: list[Tensor] = []      # the last stage's schedule fills it in every step
-
-    def step() -> None:
-        if stage.is_first:
-            runner.step(inputs)
-        elif stage.is_last:
-            runner.step(target=targets, losses=losses)
-        else:
-            runner.step()
-
-    return _last_step(step, stage.submod, events, losses, steps)
+    return _last_step(lambda: run_step(runner, [stage], microbatches, inputs, targets, losses),
+                      stage.submod, events, losses, steps)
 
 
 def _last_step(step: Callable[[], None], module: nn.Module, events: list[Event],
@@ -344,30 +337,31 @@ def _last_step(step: Callable[[], None], module: nn.Module, events: list[Event],
             "batch_isend_irecv": len(calls)}
 
 
-def _run_csv(setup: dict[str, Any], csv: Path, steps: int,
+def _run_csv(setup: dict[str, Any], csv: Exported, steps: int,
              device: torch.device) -> dict[str, Any]:
     """`_run` for a schedule CSV: this rank's stages of it on PyTorch's runtime, ``steps``
     steps from the saved weights, the last one reported."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    schedule, _ = exported(csv)
+    schedule = csv.schedule
     if schedule.ranks != world:
-        raise ValueError(f"{csv.name} has programs for {schedule.ranks} ranks but torchrun "
-                         f"started {world} processes; use --nproc-per-node {schedule.ranks}")
+        raise ValueError(f"{csv.path.name} has programs for {schedule.ranks} ranks but "
+                         f"torchrun started {world} processes; use --nproc-per-node "
+                         f"{schedule.ranks}")
     balance = setup["balances"].get(schedule.stages)
     if balance is None:
-        raise ValueError(f"{csv.name} has {schedule.stages} stages and setup.pt has balances "
-                         f"for {sorted(setup['balances'])}: pass one of {schedule.stages} "
-                         f"entries in write_pipelining_setup(..., balances=)")
+        raise ValueError(f"{csv.path.name} has {schedule.stages} stages and setup.pt has "
+                         f"balances for {sorted(setup['balances'])}: pass one of "
+                         f"{schedule.stages} entries in write_pipelining_setup(..., balances=)")
     model = load_model(setup)
     stages = stages_for(model, balance, schedule, rank, device)
-    runtime = runtime_for(stages, csv, schedule.microbatches, lm_loss)
+    runtime = runtime_for(stages, csv, lm_loss)
     events: list[Event] = []
     for stage in stages:
         record_actions(stage, events)
     inputs, targets = setup["inputs"].to(device), setup["targets"].to(device)
     losses: list[Tensor] = []
-    return _last_step(lambda: run_step(runtime, inputs, targets, losses), model, events,
-                      losses, steps)
+    return _last_step(lambda: run_step(runtime, stages, schedule.microbatches, inputs, targets,
+                                       losses), model, events, losses, steps)
 
 
 MESH = "mesh"   # mesh_step's results: WORKDIR/mesh/rank{rank}.pt
@@ -402,12 +396,7 @@ def mesh_step(setup: dict[str, Any], pp: int, dp: int, microbatches: int,
     runner = Schedule1F1B(stage, microbatches, loss_fn=lm_loss)
     inputs = setup["inputs"].tensor_split(dp)[replica].to(device)
     targets = setup["targets"].tensor_split(dp)[replica].to(device)
-    if stage.is_first:
-        runner.step(inputs)
-    elif stage.is_last:
-        runner.step(target=targets)
-    else:
-        runner.step()
+    run_step(runner, [stage], microbatches, inputs, targets)
     grads = {}
     for name, parameter in module.named_parameters():
         dist.all_reduce(parameter.grad, group=dp_group)   # the sum over replicas ...
@@ -428,21 +417,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workdir", type=Path,
                         help="folder with setup.pt (write_pipelining_setup)")
-    parser.add_argument("--runs", default="1f1b:manual",
+    parser.add_argument("--runs", default=None,
                         help="comma-separated schedule:split pairs, schedule in "
-                             f"{sorted(SCHEDULES)}, split in {SPLITS}")
+                             f"{sorted(SCHEDULES)}, split in {SPLITS} (1f1b:manual if "
+                             f"neither --csv nor --mesh is given)")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--csv", default=None, metavar="A.csv,B.csv",
-                        help="instead of --runs: schedule CSVs (Schedule.to_csv) to run on "
+                        help="after --runs: schedule CSVs (Schedule.to_csv) to run on "
                              "PyTorch's _PipelineScheduleRuntime, one after the other")
     parser.add_argument("--mesh", default=None, metavar="PPxDP",
-                        help="instead of --runs: one 1F1B step of DP replicas of a PP-stage "
-                             "pipeline (launch PP*DP processes)")
+                        help="last: one 1F1B step of DP replicas of a PP-stage pipeline "
+                             "(launch PP*DP processes)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.microbatches < 1:
         parser.error("--steps and --microbatches must be at least 1")
-    runs = [tuple(run.split(":")) for run in args.runs.split(",")]
+    if args.runs is None and args.csv is None and args.mesh is None:
+        args.runs = "1f1b:manual"
+    runs = [] if args.runs is None else [tuple(run.split(":")) for run in args.runs.split(",")]
     for run in runs:
         if len(run) != 2 or run[0] not in SCHEDULES or run[1] not in SPLITS:
             parser.error(f"--runs: {':'.join(run)!r} is not schedule:split with schedule "
@@ -454,38 +446,32 @@ def main(argv: Sequence[str] | None = None) -> None:
         pp, _, dp = args.mesh.partition("x")
         if not (pp.isdigit() and dp.isdigit() and int(pp) >= 1 and int(dp) >= 1):
             parser.error(f"--mesh {args.mesh!r}: write PPxDP, e.g. 2x2")
-    csvs = [] if args.csv is None else [Path(csv) for csv in args.csv.split(",")]
-    for csv in csvs:                # read and checked before any rank waits for another
-        try:
-            exported(csv)
+    csvs = []
+    for csv in [] if args.csv is None else args.csv.split(","):
+        try:                        # read and checked before any rank waits for another
+            csvs.append(exported(csv))
         except (OSError, ValueError) as error:
             parser.error(f"--csv {csv}: {error}")
     setup = torch.load(args.workdir / "setup.pt")
     device = worker_device()
-    if csvs:
-        with process_group():
-            for csv in csvs:
-                folder = _csv_folder(args.workdir, csv)
-                folder.mkdir(exist_ok=True)
-                results.start_run(folder, RESULTS)
-                results.save(folder, RESULTS, _run_csv(setup, csv, args.steps, device))
-        return
-    if args.mesh is not None:
-        with process_group():
-            folder = args.workdir / MESH
-            folder.mkdir(exist_ok=True)
-            results.start_run(folder, RESULTS)
-            results.save(folder, RESULTS, mesh_step(setup, int(pp), int(dp),
-                                                    args.microbatches, device))
-        return
-    with process_group():
+    with process_group():                       # one job: every process started once
         for schedule, split in runs:
-            folder = _folder(args.workdir, schedule, split)
-            folder.mkdir(exist_ok=True)
-            results.start_run(folder, RESULTS)
-            result = _run(setup, schedule, split, args.microbatches, args.steps, device)
-            results.save(folder, RESULTS, result)
+            _saved(_folder(args.workdir, schedule, split),
+                   lambda: _run(setup, schedule, split, args.microbatches, args.steps, device))
+        for csv in csvs:
+            _saved(_csv_folder(args.workdir, csv.path),
+                   lambda: _run_csv(setup, csv, args.steps, device))
+        if args.mesh is not None:
+            _saved(args.workdir / MESH,
+                   lambda: mesh_step(setup, int(pp), int(dp), args.microbatches, device))
 
+
+def _saved(folder: Path, run: Callable[[], dict[str, Any]]) -> None:
+    """``run()``'s result saved as this rank's part in ``folder``, an earlier run's parts
+    removed first."""
+    folder.mkdir(exist_ok=True)
+    results.start_run(folder, RESULTS)
+    results.save(folder, RESULTS, run())
 
 if __name__ == "__main__":
     main()
