@@ -212,6 +212,19 @@ def test_the_runs_cover_every_builder_and_what_pytorchs_builders_refuse():
     assert {(ours, p, m) for _, p, m, _, ours, _ in REFUSED} <= covered
 
 
+def test_a_new_setup_removes_the_last_jobs_csv_results(tmp_path):
+    """A job that failed before a CSV's run leaves the last job's results there: a new
+    setup removes them, so that `read_csv_run` says the run is missing."""
+    args = (CONFIG, tiny_model(), torch.zeros(2, 5, dtype=torch.long),
+            torch.zeros(2, 5, dtype=torch.long), [2, 2])
+    write_pipelining_setup(tmp_path, *args)
+    (tmp_path / "csv-gpipe").mkdir()
+    (tmp_path / "csv-gpipe" / "rank0.pt").write_bytes(b"the last job's")
+    write_pipelining_setup(tmp_path, *args)
+    with pytest.raises(FileNotFoundError, match="no results"):
+        read_csv_run(tmp_path, tmp_path / "gpipe.csv")
+
+
 def test_worker_refuses_a_bad_csv_before_starting(tmp_path, capsys):
     (tmp_path / "setup.pt").write_bytes(b"")       # never read: the arguments fail first
     (tmp_path / "bad.csv").write_text("0F0,0B0\n1F0,1Q0\n")

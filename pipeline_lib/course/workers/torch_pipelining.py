@@ -199,6 +199,8 @@ def write_pipelining_setup(workdir: str | Path, model_config: dict[str, Any],
         for split in SPLITS:
             results.clear(_folder(workdir, schedule, split), RESULTS)
     results.clear(workdir / MESH, RESULTS)
+    for folder in workdir.glob(f"{CSV_PREFIX}*"):
+        results.clear(folder, RESULTS)
     path = workdir / "setup.pt"
     by_stages = {len(b): list(b) for b in (balance, *balances)}
     torch.save({"model_config": model_config, "state_dict": model.state_dict(),
@@ -258,8 +260,11 @@ def _run_result(parts: list[dict[str, Any]], title: str) -> RunResult:
                      [part["batch_isend_irecv"] for part in parts])
 
 
+CSV_PREFIX = "csv-"   # a --csv run's results: WORKDIR/csv-{the file's stem}/rank{rank}.pt
+
+
 def _csv_folder(workdir: str | Path, csv: str | Path) -> Path:
-    return Path(workdir) / f"csv-{Path(csv).stem}"
+    return Path(workdir) / f"{CSV_PREFIX}{Path(csv).stem}"
 
 
 def read_csv_run(workdir: str | Path, csv: str | Path) -> RunResult:
