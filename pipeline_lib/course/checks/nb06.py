@@ -13,9 +13,10 @@
 * **6.2** (PyTorch's lowered action lists): the expected schedules are read first with
   `pytorch_schedule`, which is the reference solution, and the learner's function then
   runs inside `withheld`, where calling it, or the reader of PyTorch's notation it uses
-  (`pipeline_lib.pytorch.notation`, also behind `Schedule.from_csv`), fails. The cases include 4 stages per rank (so
-  a 2 written in fails), and the name passed is a label PyTorch does not know (so an
-  answer that asks PyTorch for the named schedule instead of reading ``ops`` fails).
+  (`pipeline_lib.pytorch.notation`, also behind `Schedule.from_csv`), fails. The cases
+  include 4 stages per rank (so a 2 written in fails), and the name passed is a label
+  PyTorch does not know (so an answer that asks PyTorch for the named schedule instead of
+  reading ``ops`` fails).
 * **6.3** (pipeline and data-parallel groups on a ``dp × pp`` mesh): ``dist.new_group`` is
   collective, so the check runs the learner's ``make_groups`` once per rank in this process
   with a recording ``new_group`` and checks that every rank creates the same groups in the
@@ -25,8 +26,9 @@
   notation: the answer asked for places each receive as late as its link allows, which
   neither `Schedule.to_csv` (receives posted ahead) nor PyTorch's own lowering (a receive
   when its sender sends) does. Fixed cases catch a link's order, a turn inside a rank and
-  split backwards; two more are drawn at random each run. Its messages name a case and the
-  first cell that differs, never a whole row.
+  split backwards; two more are drawn each run (`hidden_cases`). Its messages name a case
+  and the first cell that differs, never a whole row, and the expected cell only for a
+  fixed case.
 
 Every check raises `ExerciseFailed` with what to change; the notebook's check cell runs it
 inside ``exercise("Exercise 6.N (...)")``, which prefixes the exercise's name.
@@ -547,7 +549,7 @@ def check_groups(make_groups: Callable[..., Any]) -> None:
 #: (builder, ranks, micro-batches) every run tries: rounds of uneven size, where a link's
 #: order differs from the order its messages are consumed (interleaved 1F1B, 5 micro-batches
 #: on 2 ranks); a V with a turn inside a rank and split backwards (ZB-V); DualPipeV, whose
-#: stages end on a B or on a W; more random ones are drawn each run.
+#: stages end on a B or on a W; two more are drawn each run.
 LOWERING_CASES: tuple[tuple[str, int, int], ...] = (
     ("1f1b", 2, 3), ("interleaved_1f1b", 2, 5), ("zb_v", 2, 3), ("dualpipe_v", 2, 4),
     ("zb_h1", 3, 4))
