@@ -4,7 +4,8 @@
 #   make student  write the student versions of the notebooks (exercises stubbed, no
 #               outputs) into student/, not committed; open them with make lab FOLDER=student
 #   make test   create/update .venv, install everything, run the unit tests and every notebook,
-#               under nbval and in JupyterLab in Chromium (screenshots in out/browser/)
+#               under nbval and in JupyterLab in Chromium (screenshots in out/browser/;
+#               the notebooks with widgets run there in full)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

@@ -1,6 +1,6 @@
 """Shared test fixtures: where the CI-sized WikiText-2 copy lies, and one data check up front.
 
-Notebooks 03 and 05 (under nbval, and in the browser test) read WikiText-2 through
+Notebooks 03 and 05 (under nbval, and as student versions) read WikiText-2 through
 ``load_wikitext2``. Without the data and without a network each of their cells used to fail
 on its own, 21 failures that all meant one thing; so before any test runs, the session looks
 for the data the way the notebooks do (and downloads it, as they would, when online), and
