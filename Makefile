@@ -31,8 +31,15 @@ lab: $(VENV)/.installed
 student: $(VENV)/.installed
 	$(BIN)/python tools/student.py student
 
+# Tests run in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one), then the
+# few that measure time (marked alone) with nothing beside them. Both parts always run.
+TEST_WORKERS ?= 2
+
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -p no:cacheprovider tests notebooks --nbval --nbval-current-env -q -rs
+	$(BIN)/python -m pytest -p no:cacheprovider tests notebooks --nbval --nbval-current-env -q -rs \
+		-n $(TEST_WORKERS) --dist loadfile -m "not alone"; parallel=$$?; \
+	$(BIN)/python -m pytest -p no:cacheprovider tests -q -rs -m alone; alone=$$?; \
+	test $$parallel -eq 0 && test $$alone -eq 0
 
 figures: $(VENV)/.installed
 	$(BIN)/python -m pipeline_lib.viz.figures images/
