@@ -82,6 +82,7 @@ def test_moving_a_control_draws_again_and_an_error_is_shown_in_place(tmp_path):
     cells, _ = run(SETUP, DRAWS, """
 explorer(draw, p=(2, 8), name=["a", "b"])
 box = shown[-1]
+assert "widget-interact" in box._dom_classes    # styled and found as interact's box is
 box.children[0].value = 6
 box.children[1].value = "b"
 assert box.children[-1].outputs[-1]["text"] == "drew p = 6, b\\n"
@@ -95,16 +96,22 @@ explorer(fails, p=(2, 8))
 box = shown[-1]
 box.children[0].value = 5
 assert "ValueError: no chart for p = 5" in box.children[-1].outputs[0]["text"]
+
+def flags(fast=False, p=3):          # as interact: a control for every default
+    print(f"fast = {fast}, p = {p}")
+
+explorer(flags, p=(2, 8))
+box = shown[-1]
+assert [w.description for w in box.children[:-1]] == ["fast", "p"]
+box.children[0].value = True
+assert box.children[-1].outputs[-1]["text"] == "fast = True, p = 3\\n"
 """, """explorer(fails, p=(4, 8))""", tmp_path=tmp_path)
     assert not errors(cells[2]), errors(cells[2])
     assert errors(cells[3]) == [("ValueError", "no chart for p = 4")]   # the defaults': the cell's
 
 
-@pytest.mark.parametrize("notebook", [
-    pytest.param(path, id=path.stem, marks=[pytest.mark.xfail(
-        reason="engineer plan replaces 07's interact(...) by explorer(...), one line",
-        strict=False)] if path.name.startswith("07") else [])
-    for path in sorted((ROOT / "notebooks").glob("*.ipynb"))])
+@pytest.mark.parametrize("notebook", sorted((ROOT / "notebooks").glob("*.ipynb")),
+                         ids=lambda path: path.stem)
 def test_no_notebook_calls_interact(notebook):
     """interact in a notebook stalls nbconvert and nbgrader; explorer does not."""
     code = "\n".join(c.source for c in nbformat.read(notebook, as_version=4).cells

@@ -46,6 +46,7 @@ A typical check::
 from __future__ import annotations
 
 import __future__
+import functools
 import importlib
 import inspect
 import random
@@ -60,6 +61,7 @@ from types import CodeType, FrameType, FunctionType
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class ExerciseFailed(AssertionError):
@@ -165,9 +167,7 @@ def withheld(*targets: Callable[..., Any] | type | str, reason: str = REASON,
     one) is no longer needed: it is ignored, with a `DeprecationWarning`.
     """
     if namespace is not None:
-        warnings.warn("withheld(namespace=...) is no longer needed: the function object "
-                      "itself refuses, under every name; drop the argument",
-                      DeprecationWarning, stacklevel=3)
+        _namespace_not_needed("withheld", stacklevel=4)
     if not targets:
         raise ValueError("withheld() needs at least one function, class or module name")
     functions = {id(f): (f, name, module) for target in targets
@@ -198,6 +198,34 @@ def withheld(*targets: Callable[..., Any] | type | str, reason: str = REASON,
         _refused[:] = [n for n in _refused if n is not refusals]
     if refusals:             # refused, and the learner's code carried on regardless
         raise ExerciseFailed(refusals[0])
+
+
+def _namespace_not_needed(called: str, stacklevel: int) -> None:
+    warnings.warn(f"{called}(namespace=...) is no longer needed: a withheld function "
+                  f"refuses under every name; drop the argument",
+                  DeprecationWarning, stacklevel=stacklevel)
+
+
+def ignores_namespace(position: int) -> Callable[[F], F]:
+    """For a check that took the notebook's ``globals()`` as ``namespace``, argument number
+    ``position`` (from 0), before `withheld` refused a function under every name: a call
+    that still passes it there or by keyword runs without it, with one
+    `DeprecationWarning`. A learner's notebook written by an earlier ``make student``
+    (which never overwrites a learner's answers) has check cells that pass it.
+
+    Only a dict at ``position`` is taken for the namespace (``globals()`` always is one),
+    so that a check's later parameters can still be passed by position."""
+    def decorate(check: F) -> F:
+        @functools.wraps(check)
+        def without_namespace(*args: Any, **kwargs: Any) -> Any:
+            given = kwargs.pop("namespace", None) is not None
+            if len(args) > position and isinstance(args[position], dict):
+                args, given = args[:position] + args[position + 1:], True
+            if given:
+                _namespace_not_needed(check.__name__, stacklevel=3)
+            return check(*args, **kwargs)
+        return without_namespace  # type: ignore[return-value]
+    return decorate
 
 
 def _functions(target: Callable[..., Any] | type | str

@@ -37,9 +37,12 @@ def explorer(function: Callable[..., Any], **controls: Any) -> None:
 
     ``controls`` are ``interact``'s abbreviations: ``(2, 8)`` an integer slider, ``(1.0,
     3.0, 0.25)`` a float slider with its step, a list a dropdown; a parameter's default is
-    the control's first value. ``function`` prints and draws (``plt.show()``) as it would
-    in a cell; its return value is ignored. An error it raises for the defaults is the
-    cell's error; one it raises after a control moved is shown in place of its output.
+    the control's first value. As with ``interact``, a parameter with a default that
+    ``controls`` does not name gets the control its default abbreviates (``True`` a
+    checkbox, a string a text box), and the controls follow the parameters' order.
+    ``function`` prints and draws (``plt.show()``) as it would in a cell; its return value
+    is ignored. An error it raises for the defaults is the cell's error; one it raises
+    after a control moved is shown in place of its output.
     """
     try:
         import ipywidgets
@@ -50,7 +53,7 @@ def explorer(function: Callable[..., Any], **controls: Any) -> None:
                 for name, parameter in inspect.signature(function).parameters.items()
                 if parameter.default is not inspect.Parameter.empty}
     widgets = {name: ipywidgets.interactive.widget_from_abbrev(abbrev, defaults.get(name))
-               for name, abbrev in controls.items()}
+               for name, abbrev in {**defaults, **controls}.items()}
     for name, widget in widgets.items():
         widget.description = name
     out = ipywidgets.Output()
@@ -68,7 +71,9 @@ def explorer(function: Callable[..., Any], **controls: Any) -> None:
     out.outputs = _outputs(function, values())  # for the defaults: errors are the cell's
     for widget in widgets.values():
         widget.observe(draw, names="value")
-    display(ipywidgets.VBox([*widgets.values(), out]))
+    box = ipywidgets.VBox([*widgets.values(), out])
+    box.add_class("widget-interact")            # interact's own box class: its look, its selectors
+    display(box)
 
 
 def _outputs(function: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[dict, ...]:

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline_lib.course.exercises import ExerciseFailed, hidden_cases, withheld
+from pipeline_lib.course.exercises import (ExerciseFailed, hidden_cases, ignores_namespace,
+                                           withheld)
 from pipeline_lib.microbatch import gather, loss_weights, split
 from pipeline_lib.schedules import execution_order, gpipe
 from pipeline_lib.timeline import _simulate, bubble_theory, simulate
@@ -40,6 +41,7 @@ def _sizes_problem(sizes: list[int], rows: int, m: int) -> str:
     return "the larger micro-batches come first"
 
 
+@ignores_namespace(2)
 def check_split_and_gather(split_rows: Callable, gather_rows: Callable) -> None:
     """Exercise 1.1: sizes and rows against the library's `split` and `gather`, computed
     before the learner's code runs with both withheld, on the notebook's cases and on
@@ -122,6 +124,7 @@ class _Watched(nn.Module):
         return out
 
 
+@ignores_namespace(1)
 def check_accumulate(accumulate_gradients: Callable) -> None:
     """Exercise 1.2: the loss and gradients of the unsplit batch, reached by one forward
     and one backward per micro-batch, each backward before the next forward, on the
@@ -184,6 +187,7 @@ def _gpipe_bubble(p: int, m: int) -> float:
     return simulate(gpipe(p, m)).bubble_fraction()
 
 
+@ignores_namespace(2)
 def check_bubble_formulas(naive_utilisation: Callable, fewest_microbatches: Callable) -> None:
     """Exercise 1.3: against the simulator, at targets that are not 1/k (where rounding
     down and rounding up part ways: p = 4 at 2/5 needs 5, not 4), and at ranks and targets
@@ -235,6 +239,7 @@ def _pipeline(rng: Any) -> tuple[tuple[float, ...], tuple[float, ...], int]:
             tuple(float(rng.randint(1, 8)) for _ in range(p)), rng.randint(1, 7))
 
 
+@ignores_namespace(1)
 def check_unequal_gpipe(gpipe_step_time: Callable) -> None:
     """Exercise 1.4: GPipe's step on unequal stages, against the simulator run with the
     same per-stage costs, on the notebook's pipelines and on costs drawn for this run;

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline_lib.course.exercises import ExerciseFailed, hidden_cases, withheld
+from pipeline_lib.course.exercises import (ExerciseFailed, hidden_cases, ignores_namespace,
+                                           withheld)
 from pipeline_lib.microbatch import loss_weights, split
 from pipeline_lib.schedules import (BUILDERS, Action, Schedule, ScheduleError, build,
                                     gpipe, interleaved_1f1b, one_f_one_b,
@@ -98,6 +99,7 @@ def _sizes(rng: Any) -> tuple[int, int]:
     return rng.randint(2, 6), rng.randint(1, 12)
 
 
+@ignores_namespace(1)
 def check_gpipe(gpipe_by_hand: Callable) -> None:
     """Exercise 2.1: GPipe's bubble and memory, at the notebook's sizes and at sizes drawn
     for this run; trains like the unsplit model."""
@@ -120,6 +122,7 @@ def check_gpipe(gpipe_by_hand: Callable) -> None:
     _require(not gap, f"Pipe.step with gpipe_by_hand(3, 4): {gap}")
 
 
+@ignores_namespace(1)
 def check_one_f_one_b(one_f_one_b_by_hand: Callable) -> None:
     """Exercise 2.2: GPipe's bubble at no more than 1F1B's micro-batches in flight, at the
     notebook's sizes and at sizes drawn for this run."""
@@ -259,6 +262,7 @@ def run_stage_threads(loop: Callable, schedule: Schedule,
     return run
 
 
+@ignores_namespace(1)
 def check_stage_loop(stage_loop: Callable) -> None:
     """Exercise 2.3: every stage runs its program's actions, in its order, and the tiny
     model trains as unpipelined, under GPipe, 1F1B and ZB-H1 (I and W) on 3 stages, and
@@ -294,6 +298,7 @@ def _program_case(rng: Any) -> tuple[str, int, int, int]:
     return name, rng.randint(2, 5), rng.randint(2, 12), rng.randint(2, 3)
 
 
+@ignores_namespace(1)
 def check_peak_held(peak_held: Callable) -> None:
     """Exercise 2.4: every rank's peak, counted from its program, against the simulator, on
     the notebook's schedules and on schedules of kinds and sizes drawn for this run."""
@@ -320,6 +325,7 @@ INTERLEAVED_CASES = [(2, 4, 2), (4, 8, 2), (3, 6, 3), (4, 12, 2), (2, 2, 2)]
 MESSAGE_TIME = 0.1
 
 
+@ignores_namespace(1)
 def check_interleaved(interleaved_by_hand: Callable) -> None:
     """Exercise 2.5: a valid interleaved 1F1B, as short as the library's at no more
     memory on any rank (simulated with messages that take time), at the notebook's sizes

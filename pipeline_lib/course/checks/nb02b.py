@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline_lib.course.exercises import ExerciseFailed, hidden_cases, withheld
+from pipeline_lib.course.exercises import (ExerciseFailed, hidden_cases, ignores_namespace,
+                                           withheld)
 from pipeline_lib.schedules import (BUILDERS, Schedule, ScheduleError, build,
                                     execution_order, one_f_one_b, validate, zb_h1)
 from pipeline_lib.timeline import _simulate, rank_facts, simulate
@@ -44,6 +45,7 @@ def _costs(rng: Any) -> tuple[int, float, float, float]:
     return (rng.randint(2, 6), *(rng.randint(1, 6) / 2 for _ in range(3)))
 
 
+@ignores_namespace(1)
 def check_zb_h1_bubble(zb_h1_bubble: Callable) -> None:
     """Exercise 2b.1: ZB-H1's idle time per rank against the simulator's, at p = 2, 3, 4,
     for costs inside and outside the published formula's W ≤ I ≤ F, and at ranks and costs
@@ -73,6 +75,7 @@ def check_zb_h1_bubble(zb_h1_bubble: Callable) -> None:
 ZB_SIZES = [(2, 4), (4, 8), (4, 5), (3, 2)]
 
 
+@ignores_namespace(1)
 def check_my_zb_h1(my_zb_h1: Callable) -> None:
     """Exercise 2b.2: a valid schedule with every backward split, no rank above 1F1B's
     peak, and ZB-H1's step time, at the notebook's sizes and at sizes drawn for this run;
@@ -186,6 +189,7 @@ def _answer_problem(answer: Any, x: torch.Tensor, params: list[nn.Parameter]) ->
     return ""
 
 
+@ignores_namespace(1)
 def check_input_then_weight(input_then_weight: Callable) -> None:
     """Exercise 2b.3: I then W by hand: a first backward pass that computes the input's
     gradient and no weight's, then passes from the same graph (no second forward) that

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from pipeline_lib.course.exercises import ExerciseFailed, hidden_cases, withheld
+from pipeline_lib.course.exercises import (ExerciseFailed, hidden_cases, ignores_namespace,
+                                           withheld)
 from pipeline_lib.lm.data import get_batch
 from pipeline_lib.lm.loops import evaluate, lm_loss
 from pipeline_lib.partition import (balance_by_memory, balance_by_params, balance_by_time,
@@ -115,6 +116,7 @@ def _costs(layers: int, most: int) -> Callable[[Any], tuple[tuple[float, ...], i
                         rng.randint(2, most))
 
 
+@ignores_namespace(3)
 def check_fastest_balance(fastest_balance: Callable[[list[float], int], Any],
                           measured: Mapping[str, Sequence[float]], stages: int) -> None:
     """Exercise 3.1: ``fastest_balance(costs, stages)`` minimises the slowest stage.
@@ -138,6 +140,7 @@ def check_fastest_balance(fastest_balance: Callable[[list[float], int], Any],
         _compare(_checked_balance(answer, costs, k, case), costs, best, case, rel, unit)
 
 
+@ignores_namespace(4)
 def check_token_weighted_loss(token_weighted_loss: Callable[[Any, torch.Tensor, int], Any],
                               model: torch.nn.Module, source: torch.Tensor, bptt: int) -> None:
     """Exercise 3.3: the mean loss per target token, on batches of uneven length.
@@ -218,6 +221,7 @@ def _time_limit(seconds: float, message: str) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+@ignores_namespace(1)
 def check_partitioner(partition: Callable[[list[float], int], Any],
                       seconds: float = 10.0) -> None:
     """Exercise 3.2: ``partition(costs, stages)`` is optimal on 50 layers over 8 stages.

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pipeline_lib.course.exercises import ExerciseFailed, hidden_cases, withheld
+from pipeline_lib.course.exercises import (ExerciseFailed, hidden_cases, ignores_namespace,
+                                           withheld)
 from pipeline_lib.lm.loops import lm_loss
 from pipeline_lib.lm.model import transformer_lm
 
@@ -83,6 +84,7 @@ def _withheld_4_1() -> list[Any]:
             data_parallel.data_parallel_step]
 
 
+@ignores_namespace(1)
 def check_4_1(scattered_chunked_loss: Callable[..., Any]) -> None:
     """Exercise 4.1: the loss, the gradient reaching ``features`` and the generator's
     gradients equal the plain loss's; every generator call ran on one device's replica,
@@ -212,6 +214,7 @@ def _check_loss_4_1(loss: float, expected: float, features: Tensor, target: Tens
 
 # -- 4.2: DDP's gradient averaging -------------------------------------------------------------
 
+@ignores_namespace(1)
 def check_4_2(average_gradients: Callable[[list[nn.Module]], None]) -> None:
     """Exercise 4.2: after the learner's averaging, every replica holds its own copy of
     the mean gradient, which equals one model's on the whole batch: with 3 replicas, and
@@ -308,6 +311,7 @@ def _vocab_case(rng: Any) -> tuple[tuple[int, ...], int, int]:
     return sizes, rng.randint(8, max(sizes)), rng.randint(2, min(12, max(sizes)))
 
 
+@ignores_namespace(1)
 def check_4_3(vocab_parallel_cross_entropy: Callable[..., Tensor]) -> None:
     """Exercise 4.3: the loss and every gradient equal ``F.cross_entropy`` on the whole
     projection's logits, for moderate logits and for logits too large for ``exp`` in

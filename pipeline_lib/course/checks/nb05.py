@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from pipeline_lib.course.exercises import ExerciseFailed, hidden_cases, withheld
+from pipeline_lib.course.exercises import (ExerciseFailed, hidden_cases, ignores_namespace,
+                                           withheld)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -132,6 +133,7 @@ def _job(rng: Any) -> tuple[str, tuple[float, float]]:
     return (f"a job drawn for this run", (all_reduce, all_reduce * 20 ** rng.uniform(-1, 1)))
 
 
+@ignores_namespace(1)
 def check_5_1(place_ranks: Callable[..., Any]) -> None:
     """Exercise 5.1: for every job (the notebook's four, and three drawn for this run), a
     valid 2 × 2 grid that communicates no longer than the cheapest one. The grader's cost
@@ -222,6 +224,7 @@ def _bytes_problem(got: float, want: float, whats: dict[str, float]) -> str:
                  if wrong != want and math.isclose(got, wrong)), "")
 
 
+@ignores_namespace(1)
 def check_5_2(step_bytes: Callable[..., Any]) -> None:
     """Exercise 5.2: the bytes match the trainable parameters and the activation shapes:
     on the notebook's two pipelines for ``dp`` = 2 and 4, 4-byte and 8-byte values (the
@@ -318,6 +321,7 @@ def _mesh(rng: Any) -> tuple[int, tuple[int, ...]]:
             return rng.randint(2, 4), cuts
 
 
+@ignores_namespace(1)
 def check_5_3(clip_global: Callable[..., Any]) -> None:
     """Exercise 5.3: every replica's every stage ends with the gradient that
     ``torch.nn.utils.clip_grad_norm_`` leaves in the unpipelined model trained on the whole
