@@ -99,9 +99,10 @@ def batch(k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
-    """As one process holds it (a DTensor gathered: every rank holding a part calls it)."""
+    """As one process holds it, a copy (a DTensor gathered: every rank holding a part
+    calls it): clipping later scales the gradients in place."""
     t = t.detach()
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).cpu()
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).cpu().clone()
 
 
 def named(pipe: DistributedPipe, balance: list[int], what: str) -> dict[str, torch.Tensor]:
