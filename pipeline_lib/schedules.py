@@ -348,13 +348,17 @@ def zb_v(ranks: int, microbatches: int) -> Schedule:
 
 
 def dualpipe_v(ranks: int, microbatches: int) -> Schedule:
-    """DualPipeV (DeepSeek-V3, 2024): DualPipe cut in half, two virtual stages per rank in a V.
+    """DualPipeV: DualPipe cut in half, two virtual stages per rank in a V.
 
-    The steady state pairs a forward of one virtual stage with a full backward of the other
-    (``F&B``); DeepSeek overlaps the two so that one's communication hides under the
-    other's compute. Our executors run one action at a time, so a pair is an F, then a B.
-    The start fills the V with split backwards (I, then the W at once); the end splits the
-    backwards again and runs the Ws where the rank would otherwise wait.
+    DualPipe is DeepSeek-V3's (technical report, arXiv 2412.19437): two copies of the
+    model fed from both ends. Its "cut-in-half" version on half as many ranks, DualPipeV,
+    is credited in DeepSeek's DualPipe repository (github.com/deepseek-ai/DualPipe,
+    README) to Sea AI Lab. The steady state pairs a forward of one virtual stage with a
+    full backward of the other (``F&B``); DualPipe overlaps the two so that one's
+    communication hides under the other's compute. Our executors run one action at a time,
+    so a pair is an F, then a B. The start fills the V with split backwards (I, then the W
+    at once); the end splits the backwards again and runs the Ws where the rank would
+    otherwise wait.
     """
     _check_sizes(ranks, microbatches)
     p, m = ranks, microbatches

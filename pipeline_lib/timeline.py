@@ -250,9 +250,12 @@ class RankFacts:
     Memory counts *stages*, a stage being a ``1/ranks`` share of the model (what a rank
     holds under 1F1B): a rank holding two chunks of half a stage each (V-shaped, or
     interleaved with v = 2) holds 1 stage of parameters, and a micro-batch's activations
-    on one chunk count ½. (DeepSeek-V3's table counts at equal stage size instead: its
-    DualPipeV holds 2 of its stages on each of PP/2 ranks, so "2x" parameters there is
-    1 stage here, and its PP + 1 activations are (PP + 1)/2 here.)
+    on one chunk count ½. (DualPipeV's published counts are in the table of DeepSeek's
+    DualPipe repository, github.com/deepseek-ai/DualPipe, README, not in DeepSeek-V3's
+    report, whose Table 2 has DualPipe only; the repository credits DualPipeV, DualPipe
+    cut in half, to Sea AI Lab. That table counts stages of 1/PP of the model, "based on
+    the same number of PP stages", and DualPipeV holds 2 of them on each of PP/2 ranks:
+    its "2x" parameters are 1 stage here, its PP + 1 activations (PP + 1)/2 here.)
     """
 
     rank: int

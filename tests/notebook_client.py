@@ -25,6 +25,7 @@ which the exercise test then sees, rather than widget state it never looks at.
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import nbformat
@@ -40,3 +41,16 @@ def notebook_client(nb: nbformat.NotebookNode, folder: Path, timeout: int,
                             resources={"metadata": {"path": str(folder)}})
     client.widget_registry = {}   # no imitated Output widget (see the module docstring)
     return client
+
+
+def execute_timed(client: NotebookClient) -> dict[int, float]:
+    """Execute ``client``'s notebook; return how long the client waited for each cell,
+    from sending it to having its reply and outputs, by cell index."""
+    started: dict[int, float] = {}
+    waited: dict[int, float] = {}
+    client.on_cell_execute = lambda cell, cell_index, **_: started.update(
+        {cell_index: time.monotonic()})
+    client.on_cell_executed = lambda cell, cell_index, **_: waited.update(
+        {cell_index: time.monotonic() - started[cell_index]})
+    client.execute()
+    return waited

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pipeline_lib.course.checks import nb02b
-from pipeline_lib.schedules import Schedule, build, one_forward_one_backward, zb_h1
+from pipeline_lib.schedules import (BUILDERS, Schedule, build, one_forward_one_backward,
+                                    zb_h1)
 from pipeline_lib.split_backward import backward_input
 from pipeline_lib.timeline import rank_facts, simulate
 from conftest import fails, passes
@@ -24,8 +25,25 @@ def zb_h1_bubble(p, f, i, w):
     return (p - 1) * max(f + i - w, f, i)
 
 
+def bubble_table(p, f, i, w):            # the issue's: values copied from old messages
+    simulated = {(2, 1.0, 1.0, 1.0): 1.0, (3, 1.0, 1.0, 1.0): 2.0, (4, 1.0, 1.0, 1.0): 3.0}
+    return simulated.get((p, f, i, w), zb_h1_bubble(p, f, i, w) + 0.5) if (p, f, i, w) \
+        not in {(p_, *c) for p_ in (2, 3, 4) for c in nb02b.BUBBLE_COSTS} \
+        else zb_h1_bubble(p, f, i, w)
+
+
 def test_2b_1_solution_passes():
     passes(EX_1, nb02b.check_zb_h1_bubble, zb_h1_bubble)
+
+
+def test_2b_1_right_answer_written_another_way_passes():
+    passes(EX_1, nb02b.check_zb_h1_bubble, lambda p, f, i, w: max(
+        (p - 1) * (f + i - w), (p - 1) * f, (p - 1) * i))
+
+
+def test_2b_1_a_table_of_the_shown_cases_fails_on_the_drawn_ones():
+    for _ in range(3):
+        fails(EX_1, nb02b.check_zb_h1_bubble, bubble_table, says="your formula gives")
 
 
 @pytest.mark.parametrize("answer, says", [
@@ -35,17 +53,21 @@ def test_2b_1_solution_passes():
     (lambda p, f, i, w: (p - 1) * max(f + i - w, f), "your formula gives"),
     (lambda p, f, i, w: (p - 1) * max(f + i - w, 0), "your formula gives"),
     (lambda p, f, i, w: (p - 1) * max(f + i - w, f, i, w), "your formula gives"),  # W waits
+    (lambda p, f, i, w: p * max(f + i - w, f, i), "your formula gives"),       # p, not p - 1
+    (lambda p, f, i, w: (p - 1) * max(f + i - w, i), "your formula gives"),
+    (lambda p, f, i, w: (p - 1) * (f + i - min(w, i)), "your formula gives"),
 ])
 def test_2b_1_wrong_answers_fail(answer, says):
-    fails(EX_1, nb02b.check_zb_h1_bubble, answer, says=says)
+    message = fails(EX_1, nb02b.check_zb_h1_bubble, answer, says=says)
+    assert "idles " not in message.split("your formula gives")[0]      # no simulated value
 
 
 def test_2b_1_library_shortcut_fails():
-    def by_simulating(p, f, i, w):
-        s = zb_h1(p, 3 * p)
+    def by_simulating(p, f, i, w, _build=BUILDERS["zb_h1"]):    # bound before the check
+        s = _build(p, 3 * p)
         return max(r.bubble for r in rank_facts(s, simulate(s, forward=f, backward=i + w,
                                                             weight=w)))
-    fails(EX_1, nb02b.check_zb_h1_bubble, by_simulating, globals(), says="your code calls")
+    fails(EX_1, nb02b.check_zb_h1_bubble, by_simulating, says="your code calls")
 
 
 # 2b.2 --------------------------------------------------------------------------------
@@ -64,14 +86,22 @@ def test_2b_2_solution_passes():
     (lambda p, m: my_zb_h1(p, m, lag=lambda p, s: 0), "weight lag"),
     (lambda p, m: my_zb_h1(p, m, lag=lambda p, s: p - 1 - s), "a rank holds"),
     (lambda p, m: my_zb_h1(p, m, ahead=lambda p, s: p), "a rank holds"),
+    (lambda p, m: my_zb_h1(p, m, lag=lambda p, s: p - s), "a rank holds"),
+    (lambda p, m: my_zb_h1(p, m, ahead=lambda p, s: p - s - 1), "not valid"),
+    (lambda p, m: my_zb_h1(p, m) if (p, m) in nb02b.ZB_SIZES
+     else my_zb_h1(p, m, lag=lambda p, s: 0), "weight lag"),   # right on the shown sizes only
 ])
 def test_2b_2_wrong_answers_fail(answer, says):
     fails(EX_2, nb02b.check_my_zb_h1, answer, says=says)
 
 
-@pytest.mark.parametrize("answer", [lambda p, m: zb_h1(p, m), lambda p, m: build("zb_h1", p, m)])
+@pytest.mark.parametrize("answer", [
+    lambda p, m: zb_h1(p, m), lambda p, m: build("zb_h1", p, m),
+    lambda p, m: BUILDERS["zb_h1"](p, m),            # the issue's: the builders' dict
+    lambda p, m, _b=zb_h1: _b(p, m),
+])
 def test_2b_2_library_shortcut_fails(answer):
-    fails(EX_2, nb02b.check_my_zb_h1, answer, globals(), says="your code calls")
+    fails(EX_2, nb02b.check_my_zb_h1, answer, says="your code calls")
 
 
 # 2b.3 --------------------------------------------------------------------------------
@@ -114,19 +144,75 @@ def with_backward(stage, x, g):
     return x.grad, [p.grad for p in stage.parameters()]
 
 
+def via_scalar(stage, x, g):                 # the issue's: (y * g).sum(), same graph
+    x = x.detach().requires_grad_()
+    y = stage(x)
+    loss = (y * g).sum()
+    (grad_x,) = torch.autograd.grad(loss, [x], retain_graph=True)
+    return grad_x, list(torch.autograd.grad(loss, list(stage.parameters())))
+
+
+def weight_by_weight(stage, x, g):           # W as one pass per weight: fine
+    x = x.detach().requires_grad_()
+    y = stage(x)
+    (grad_x,) = torch.autograd.grad(y, [x], g, retain_graph=True)
+    return grad_x, [torch.autograd.grad(y, [p], g, retain_graph=True)[0]
+                    for p in stage.parameters()]
+
+
+def input_again_in_w(stage, x, g):
+    x = x.detach().requires_grad_()
+    y = stage(x)
+    (grad_x,) = torch.autograd.grad(y, [x], g, retain_graph=True)
+    grads = torch.autograd.grad(y, [x, *stage.parameters()], g)
+    return grad_x, list(grads[1:])
+
+
+def last_weights_only(stage, x, g):
+    x = x.detach().requires_grad_()
+    y = stage(x)
+    (grad_x,) = torch.autograd.grad(y, [x], g, retain_graph=True)
+    params = list(stage.parameters())
+    last = torch.autograd.grad(y, params[-2:], g)
+    return grad_x, [torch.zeros_like(p) for p in params[:-2]] + list(last)
+
+
+def weights_as_a_dict(stage, x, g):          # a structure the check must name, not crash on
+    x = x.detach().requires_grad_()
+    y = stage(x)
+    (grad_x,) = torch.autograd.grad(y, [x], g, retain_graph=True)
+    names = [n for n, _ in stage.named_parameters()]
+    return grad_x, dict(zip(names, torch.autograd.grad(y, list(stage.parameters()), g)))
+
+
+def negated_input_gradient(stage, x, g):
+    grad_x, grad_w = input_then_weight(stage, x, g)
+    return -grad_x, grad_w
+
+
 def test_2b_3_solution_passes():
     passes(EX_3, nb02b.check_input_then_weight, input_then_weight)
 
 
+@pytest.mark.parametrize("answer", [via_scalar, weight_by_weight])
+def test_2b_3_right_answers_written_another_way_pass(answer):
+    passes(EX_3, nb02b.check_input_then_weight, answer)
+
+
 @pytest.mark.parametrize("answer, says", [
-    (both_at_once, "called torch.autograd.grad 1 time"),
-    (weight_first, "asks for weight gradients"),
+    (both_at_once, "ran 1 backward pass"),
+    (weight_first, "first backward pass computes weight gradients"),
     (forward_again, "forward 2 times"),
     (graph_not_kept, "RuntimeError"),
     (with_backward, "`.grad` is filled"),
+    (input_again_in_w, "computes the input's gradient again"),
+    (last_weights_only, "every weight's gradient"),
+    (weights_as_a_dict, "list of"),
+    (negated_input_gradient, "input gradient differs"),
 ])
 def test_2b_3_wrong_answers_fail(answer, says):
-    fails(EX_3, nb02b.check_input_then_weight, answer, says=says)
+    message = fails(EX_3, nb02b.check_input_then_weight, answer, says=says)
+    assert "your code raised" not in message or says == "RuntimeError", message
 
 
 def test_2b_3_library_shortcut_fails():
@@ -135,5 +221,5 @@ def test_2b_3_library_shortcut_fails():
         (grad_x,), later = backward_input([stage(x)], [g], [x], list(stage.parameters()))
         later.run()
         return grad_x, [p.grad for p in stage.parameters()]
-    fails(EX_3, nb02b.check_input_then_weight, split_by_the_library, globals(),
+    fails(EX_3, nb02b.check_input_then_weight, split_by_the_library,
           says="your code calls `backward_input`")

@@ -216,10 +216,49 @@ def test_3_1_the_wrong_rules_pass_on_the_decoder_dominated_times_alone():
 
 
 def test_3_1_shortcut_fails():
-    message = fails(EX31, lambda: nb03.check_fastest_balance(shortcut, MEASURED, 2,
-                                                             namespace=globals()))
+    message = fails(EX31, lambda: nb03.check_fastest_balance(shortcut, MEASURED, 2))
     assert "optimal_split" in message
+    for captured in (lambda costs, stages, _split=optimal_split: _split(costs, stages),
+                     lambda costs, stages: __import__("pipeline_lib").partition.optimal_split(
+                         costs, stages)):
+        assert "optimal_split" in fails(EX31, lambda: nb03.check_fastest_balance(
+            captured, MEASURED, 2))
     assert optimal_split([1.0, 2.0], 2) == [1, 1]       # restored afterwards
+
+
+SHOWN = {(tuple(c), 3): optimal_split(list(c), 3) for c in nb03.UNEVEN_COSTS}
+SHOWN.update({(tuple(c), k): optimal_split(list(c), k) for c in MEASURED.values()
+              for k in (2, 3)})
+
+
+def shown_table(costs, stages):          # the best balances of the shown cost vectors
+    return SHOWN[tuple(costs), stages]
+
+
+def rest_on_the_last(costs, stages):     # one layer each, the rest on the last stage
+    return [1] * (stages - 1) + [len(costs) - stages + 1]
+
+
+def first_best_by_sum_of_squares(costs, stages):   # "most even" by another measure
+    best = None
+    for cuts in itertools.combinations(range(1, len(costs)), stages - 1):
+        bounds = [0, *cuts, len(costs)]
+        loads = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+        key = sum(x * x for x in loads)
+        if best is None or key < best[0]:
+            best = (key, [b - a for a, b in zip(bounds, bounds[1:])])
+    return best[1]
+
+
+def test_3_1_a_table_of_the_shown_cases_fails_on_the_drawn_ones():
+    for _ in range(3):
+        fails(EX31, lambda: nb03.check_fastest_balance(shown_table, MEASURED, 2),
+              says="KeyError")
+
+
+@pytest.mark.parametrize("wrong", [first_best_by_sum_of_squares, rest_on_the_last])
+def test_3_1_more_wrong_answers_fail(wrong):
+    fails(EX31, lambda: nb03.check_fastest_balance(wrong, MEASURED, 2), says="slowest stage")
 
 
 def test_3_1_balance_with_a_wrong_stage_count_fails():
@@ -257,8 +296,11 @@ def test_3_2_wrong_answers_fail(wrong):
 
 
 def test_3_2_search_that_leaves_stages_empty_fails():
+    bounds = {(tuple(costs), k): max(stage_costs(costs, optimal_split(costs, k)))
+              for costs in nb03.LONG_COSTS for k in (8, 2, 49)}     # before the check
+
     def packed_only(costs, stages):      # the greedy packing at the right bound, unsplit
-        limit = max(stage_costs(costs, optimal_split(costs, stages)))
+        limit = bounds[tuple(costs), stages]
         balance, load = [0], 0.0
         for c in costs:
             if load + c > limit:
@@ -271,8 +313,38 @@ def test_3_2_search_that_leaves_stages_empty_fails():
 
 
 def test_3_2_shortcut_fails():
+    assert "optimal_split" in fails(EX32, lambda: nb03.check_partitioner(shortcut))
     assert "optimal_split" in fails(EX32, lambda: nb03.check_partitioner(
-        shortcut, namespace=globals()))
+        lambda costs, stages, _split=optimal_split: _split(costs, stages)))
+
+
+def test_3_2_a_table_of_the_shown_cases_fails_on_the_drawn_ones():
+    table = {(tuple(c), k): optimal_split(list(c), k) for c in nb03.LONG_COSTS
+             for k in (8, 2, 49)}
+    for _ in range(2):
+        fails(EX32, lambda: nb03.check_partitioner(lambda costs, k: table[tuple(costs), k]),
+              says="KeyError")
+
+
+def test_3_2_a_search_over_whole_numbers_only_fails():
+    def integer_limits(costs, stages):       # tries limits 1, 2, 3...: fine for whole numbers
+        limit = max(costs)
+        while True:
+            balance, load = [0], 0.0
+            for c in costs:
+                if load + c > limit:
+                    balance.append(0)
+                    load = 0.0
+                load += c
+                balance[-1] += 1
+            if len(balance) <= stages:
+                break
+            limit = math.floor(limit) + 1
+        while len(balance) < stages:         # split the largest stage to use every stage
+            k = max(range(len(balance)), key=lambda j: balance[j])
+            balance[k:k + 1] = [balance[k] - balance[k] // 2, balance[k] // 2]
+        return balance
+    fails(EX32, lambda: nb03.check_partitioner(integer_limits), says="slowest stage")
 
 
 def test_3_2_brute_force_runs_out_of_time():
@@ -289,7 +361,7 @@ BPTT = 7
 def lm():
     torch.manual_seed(0)
     model = transformer_lm(40, "cpu", d_model=16, d_hid=32, nlayers=1, nhead=2, dropout=0.1)
-    source = torch.randint(40, (3, 2 * BPTT + 6 + 11))
+    source = torch.randint(40, (3, 4 * BPTT + 2 + 11))
     return model, source
 
 
@@ -345,6 +417,34 @@ def returns_a_tensor(model, source, bptt):
     return torch.tensor(solution(model, source, bptt))
 
 
+def first_window_only():                       # right for the first window it sees only
+    seen = []
+
+    def answer(model, source, bptt):
+        seen.append(source)
+        return solution(model, source, bptt) if len(seen) == 1 else 0.0
+    return answer
+
+
+def mean_over_rows_then_batches(model, source, bptt):   # each batch's mean, then their mean
+    with torch.no_grad():
+        means = [lm_loss(model(x), y).item() for x, y in
+                 (get_batch(source, i, bptt) for i in range(0, source.size(1) - 1, bptt))]
+    return sum(means) / len(means)
+
+
+def last_column_scored(model, source, bptt):    # i up to source.size(1): one target too many
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, source.size(1), bptt):
+            x, y = source[:, i:i + bptt], source[:, i + 1:i + 1 + bptt]
+            if x.size(1) != y.size(1):
+                raise IndexError("no next word for the last column")
+            total += lm_loss(model(x), y, reduction="sum").item()
+            tokens += y.numel()
+    return total / tokens
+
+
 def shortcut_evaluate(model, source, bptt):
     return evaluate(model, source, bptt)[0]
 
@@ -359,7 +459,10 @@ def test_3_3_solution_passes(lm, capsys):
 @pytest.mark.parametrize("wrong, says", [
     (batch_mean, "mean of the 3 batch means"), (tutorial_formula, "tutorial's formula"),
     (drops_the_short_batch, "Every batch counts"), (full_batches_assumed, "Every batch counts"),
-    (returns_a_tensor, "Python float")])
+    (returns_a_tensor, "Python float"),
+    (first_window_only(), "Every batch counts"),
+    (mean_over_rows_then_batches, "mean of the"),
+    (last_column_scored, "IndexError")])
 def test_3_3_wrong_answers_fail(lm, wrong, says):
     model, source = lm
     assert says in fails(EX33, lambda: nb03.check_token_weighted_loss(wrong, model, source, BPTT))
@@ -368,10 +471,12 @@ def test_3_3_wrong_answers_fail(lm, wrong, says):
 def test_3_3_shortcut_fails(lm):
     model, source = lm
     assert "evaluate" in fails(EX33, lambda: nb03.check_token_weighted_loss(
-        shortcut_evaluate, model, source, BPTT, namespace=globals()))
+        shortcut_evaluate, model, source, BPTT))
+    assert "evaluate" in fails(EX33, lambda: nb03.check_token_weighted_loss(
+        lambda m, s, b, _e=evaluate: _e(m, s, b)[0], model, source, BPTT))   # a default
 
 
 def test_3_3_needs_enough_columns(lm):
     model, source = lm
-    with pytest.raises(ValueError, match="2 \\* bptt \\+ 6"):
+    with pytest.raises(ValueError, match="4 \\* bptt \\+ 2"):
         nb03.check_token_weighted_loss(solution, model, source[:, :10], BPTT)

@@ -8,7 +8,9 @@ from torch import nn
 
 from pipeline_lib import Pipe
 from pipeline_lib.course.checks import nb03b
+from pipeline_lib.course import exercises
 from pipeline_lib.course.exercises import exercise
+from pipeline_lib.microbatch import split
 from pipeline_lib.sync.skip import pop, skippable, stash
 from conftest import fails
 
@@ -79,6 +81,16 @@ def test_3b_1_wrong_answers_fail(start, end, says):
     assert says in fails(EX1, lambda: nb03b.check_skip_pair(start, end))
 
 
+def test_3b_1_more_wrong_answers_fail():
+    fails(EX1, lambda: nb03b.check_skip_pair(start_class(lambda x, y: x.clone().detach()),
+                                             end_class()), says="gradient")
+    fails(EX1, lambda: nb03b.check_skip_pair(start_class(lambda x, y: 2 * x), end_class()),
+          says="residual block's")
+    fails(EX1, lambda: nb03b.check_skip_pair(start_class(),
+                                             end_class(lambda x, skip: x * skip)),
+          says="residual block's")
+
+
 def test_3b_1_mismatched_names_fail():
     @skippable(pop=["shortcut"])
     class PopsAnotherName(nn.Module):
@@ -89,11 +101,32 @@ def test_3b_1_mismatched_names_fail():
 
 # --------------------------------------------------------------------- 3b.2
 
-def solution(x, chunks, momentum):
+def solution(x, chunks, momentum, cut=split):
     plain = torch.zeros(x.size(1))
-    for micro in x.chunk(chunks):
+    for micro in cut(x, chunks):
         plain = (1 - momentum) * plain + momentum * micro.mean(0)
     return plain, momentum * x.mean(0)
+
+
+def with_chunk(x, chunks, momentum):          # torch.chunk's sizes: 10 rows in 4 -> 3, 3, 3, 1
+    return solution(x, chunks, momentum, cut=lambda t, k: t.chunk(k))
+
+
+def test_3b_2_micro_batches_by_chunk_fail_where_chunk_and_split_differ(monkeypatch):
+    def differ(seed):                         # the drawn batches of that seed
+        monkeypatch.setattr(exercises, "_seed", lambda: seed)
+        return any([len(c) for c in torch.zeros(rows).chunk(k)] !=
+                   [len(c) for c in split(torch.zeros(rows), k)]
+                   for rows, _, k, _ in exercises.hidden_cases(nb03b._batch, 2))
+    seed = next(seed for seed in range(1000) if differ(seed))
+    monkeypatch.setattr(exercises, "_seed", lambda: seed)
+    fails(EX2, lambda: nb03b.check_running_means(with_chunk), says="plain BatchNorm")
+
+
+def plain_table(x, chunks, momentum):         # right on the notebook's two batches only
+    assert (len(x), x.size(1), chunks, momentum) in {(11, 3, 4, 0.1), (8, 2, 3, 0.3)}, \
+        "only the shown batches"
+    return solution(x, chunks, momentum)
 
 
 def no_microbatches(x, chunks, momentum):
@@ -145,7 +178,12 @@ def test_3b_2_solution_passes(capsys):
     (replay_counted_twice, "plain BatchNorm"),
     (micro_means_weighted_equally, "DeferredBatchNorm"),
     (deferred_like_plain, "DeferredBatchNorm"),
-    (lambda x, chunks, momentum: solution(x, chunks, momentum)[0], "a pair of tensors")])
+    (lambda x, chunks, momentum: solution(x, chunks, momentum)[0], "a pair of tensors"),
+    (plain_table, "only the shown batches"),
+    (lambda x, chunks, momentum: (solution(x, chunks, momentum)[0],
+                                  x.mean(0)), "DeferredBatchNorm"),       # momentum forgotten
+    (lambda x, chunks, momentum: (solution(x, chunks, 1 - momentum)[0],
+                                  momentum * x.mean(0)), "plain BatchNorm")])   # the other way
 def test_3b_2_wrong_answers_fail(wrong, says):
     assert says in fails(EX2, lambda: nb03b.check_running_means(wrong))
 
@@ -162,4 +200,4 @@ def shortcut_classic_deferred(x, chunks, momentum):
 @pytest.mark.parametrize("answer", [shortcut, shortcut_pipe, shortcut_classic_deferred])
 def test_3b_2_shortcuts_fail(answer):
     assert "which computes the very answer" in fails(
-        EX2, lambda: nb03b.check_running_means(answer, namespace=globals()))
+        EX2, lambda: nb03b.check_running_means(answer))

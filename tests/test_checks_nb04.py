@@ -15,10 +15,11 @@ from pipeline_lib.lm.chunked_loss import chunked_loss_backward
 from pipeline_lib.lm.multi_device_loss import multi_device_loss_backward
 
 
-def fails(check, answer, says: str, name: str) -> None:
+def fails(check, answer, says: str, name: str) -> str:
     with pytest.raises(ExerciseFailed) as failed, exercise(name):
-        check(answer, globals())      # as the notebook passes its globals()
+        check(answer)
     assert str(failed.value).startswith(name) and says in str(failed.value), failed.value
+    return str(failed.value)
 
 
 def passes(check, answer) -> None:
@@ -116,10 +117,51 @@ def test_4_1_wrong_answers_fail(answer, says):
     fails(check_4_1, answer, says, E41)
 
 
+def replica_gradients_left_there(features, generator, target, devices, chunk):
+    """Right loss and feature gradients; the replicas' weight gradients never summed back."""
+    tokens = target.numel()
+    pieces, targets = scatter(features.detach(), devices), scatter(target, devices)
+    replicas = replicate(generator, devices[:len(pieces)])
+    total, grads = 0.0, []
+    for piece, replica, t in zip(pieces, replicas, targets):
+        columns = []
+        for a in range(0, piece.size(1), chunk):
+            column = piece[:, a:a + chunk].detach().requires_grad_()
+            part = F.cross_entropy(replica(column).flatten(0, 1), t[:, a:a + chunk].flatten(),
+                                   reduction="sum") / tokens
+            part.backward()
+            total += part.item()
+            columns.append(column.grad)
+        grads.append(torch.cat(columns, dim=1))
+    features.backward(torch.cat(grads))
+    return total
+
+
+def reduced_twice(features, generator, target, devices, chunk):
+    total = scattered(features, generator, target, devices, chunk)
+    for p in generator.parameters():
+        p.grad = 2 * p.grad
+    return total
+
+
+def loss_as_a_list(features, generator, target, devices, chunk):
+    return [scattered(features, generator, target, devices, chunk)]
+
+
+@pytest.mark.parametrize("answer, says", [
+    (replica_gradients_left_there, "generator.weight.grad is None"),
+    (reduced_twice, "summed into the generator, once"),
+    (loss_as_a_list, "return the loss as a number"),
+])
+def test_4_1_more_wrong_answers_fail(answer, says):
+    fails(check_4_1, answer, says, E41)
+
+
 @pytest.mark.parametrize("shortcut", [
     lambda f, g, t, d, c: chunked_loss_backward(f, g, t, c).item(),
     lambda f, g, t, d, c: multi_device_loss_backward(f, g, t, d, c).item(),
-], ids=["chunked_loss_backward", "multi_device_loss_backward"])
+    lambda f, g, t, d, c, _loss=multi_device_loss_backward: _loss(f, g, t, d, c).item(),
+], ids=["chunked_loss_backward", "multi_device_loss_backward", "bound as a default"])
 def test_4_1_library_shortcuts_fail(shortcut):
     fails(check_4_1, shortcut, "computes the very answer", E41)
 
@@ -161,10 +203,56 @@ def test_4_2_library_shortcut_fails():
                 p.grad = q.grad / len(replicas)
     fails(check_4_2, via_reduce, "computes the very answer", E42)
 
+    def captured(replicas, _reduce=reduce_gradients):
+        target = copy.deepcopy(replicas[0])
+        _reduce(replicas, target)
+    fails(check_4_2, captured, "computes the very answer", E42)
+
+
+def divided_by_three(replicas):               # right for the notebook's 3 replicas only
+    for params in zip(*(r.parameters() for r in replicas)):
+        mean = torch.stack([p.grad for p in params]).sum(0) / 3
+        for p in params:
+            p.grad = mean.clone()
+
+
+def replica_zero_kept(replicas):               # the others get replica 0's own gradient
+    for params in zip(*(r.parameters() for r in replicas)):
+        for p in params[1:]:
+            p.grad = params[0].grad.clone()
+
+
+def mean_without_the_last(replicas):           # range(len - 1): one replica left out
+    for params in zip(*(r.parameters() for r in replicas)):
+        mean = torch.stack([p.grad for p in params[:-1]]).mean(0)
+        for p in params:
+            p.grad = mean.clone()
+
+
+@pytest.mark.parametrize("answer, says", [
+    (divided_by_three, "times one model's"),
+    (replica_zero_kept, "times one model's"),
+    (mean_without_the_last, "times one model's"),
+])
+def test_4_2_more_wrong_answers_fail(answer, says):
+    fails(check_4_2, answer, says, E42)
+
 
 # -- 4.3 ----------------------------------------------------------------------------------------
 
 E43 = "Exercise 4.3 (vocabulary-parallel cross-entropy)"
+
+
+def target_logits(logits, target, off_by=0):
+    """Each token's target logit, from the one shard that holds its id (``off_by``: ids
+    taken as belonging to the shard that starts ``off_by`` later, an edge bug)."""
+    picked, start = torch.zeros(len(target)), 0
+    for part in logits:
+        inside = (target >= start + off_by) & (target < start + part.size(1) + off_by)
+        local = (target - start - off_by).clamp(0, part.size(1) - 1)
+        picked = picked + torch.where(inside, part.gather(1, local[:, None])[:, 0], 0.0)
+        start += part.size(1)
+    return picked
 
 
 def vocab_parallel(features, shards, target):
@@ -172,12 +260,7 @@ def vocab_parallel(features, shards, target):
     logits = [shard(features) for shard in shards]
     top = torch.stack([part.detach().amax(dim=1) for part in logits]).amax(dim=0)
     sum_exp = sum((part - top[:, None]).exp().sum(dim=1) for part in logits)
-    picked, start = torch.zeros_like(top), 0
-    for part in logits:
-        inside = (target >= start) & (target < start + part.size(1))
-        local = (target - start).clamp(0, part.size(1) - 1)
-        picked = picked + torch.where(inside, part.gather(1, local[:, None])[:, 0], 0.0)
-        start += part.size(1)
+    picked = target_logits(logits, target)
     return (sum_exp.log() + top - picked).mean()
 
 
@@ -188,12 +271,7 @@ def whole_logits(features, shards, target):
 def no_max(features, shards, target):
     logits = [shard(features) for shard in shards]
     sum_exp = sum(part.exp().sum(dim=1) for part in logits)
-    picked, start = 0.0, 0
-    for part in logits:
-        inside = (target >= start) & (target < start + part.size(1))
-        local = (target - start).clamp(0, part.size(1) - 1)
-        picked = picked + torch.where(inside, part.gather(1, local[:, None])[:, 0], 0.0)
-        start += part.size(1)
+    picked = target_logits(logits, target)
     return (sum_exp.log() - picked).mean()
 
 
@@ -203,12 +281,7 @@ def local_maxima(features, shards, target):
     tops = [part.detach().amax(dim=1) for part in logits]
     sum_exp = sum((part - top[:, None]).exp().sum(dim=1) for part, top in zip(logits, tops))
     top = torch.stack(tops).amax(dim=0)
-    picked, start = torch.zeros_like(top), 0
-    for part in logits:
-        inside = (target >= start) & (target < start + part.size(1))
-        local = (target - start).clamp(0, part.size(1) - 1)
-        picked = picked + torch.where(inside, part.gather(1, local[:, None])[:, 0], 0.0)
-        start += part.size(1)
+    picked = target_logits(logits, target)
     return (sum_exp.log() + top - picked).mean()
 
 
@@ -241,12 +314,7 @@ def logsumexp_of_logsumexps(features, shards, target):
     """Also right: each device's logsumexp, combined by a logsumexp over the devices."""
     logits = [shard(features) for shard in shards]
     total = torch.stack([part.logsumexp(dim=1) for part in logits]).logsumexp(dim=0)
-    picked, start = torch.zeros_like(total), 0
-    for part in logits:
-        inside = (target >= start) & (target < start + part.size(1))
-        local = (target - start).clamp(0, part.size(1) - 1)
-        picked = picked + torch.where(inside, part.gather(1, local[:, None])[:, 0], 0.0)
-        start += part.size(1)
+    picked = target_logits(logits, target)
     return (total - picked).mean()
 
 
@@ -254,12 +322,7 @@ def float64_without_max(features, shards, target):
     """No shift, but in float64: exp still overflows past about 709."""
     logits = [shard(features).double() for shard in shards]
     sum_exp = sum(part.exp().sum(dim=1) for part in logits)
-    picked, start = 0.0, 0
-    for part in logits:
-        inside = (target >= start) & (target < start + part.size(1))
-        local = (target - start).clamp(0, part.size(1) - 1)
-        picked = picked + torch.where(inside, part.gather(1, local[:, None])[:, 0], 0.0)
-        start += part.size(1)
+    picked = target_logits(logits, target)
     return (sum_exp.log() - picked).mean().float()
 
 
@@ -279,4 +342,34 @@ def test_4_3_solution_passes(answer):
 ], ids=["whole logits", "no max", "local maxima", "local softmax", "no offset",
         "float64 without max"])
 def test_4_3_wrong_answers_fail(answer, says):
+    fails(check_4_3, answer, says, E43)
+
+
+def first_id_missed(features, shards, target):
+    """A shard's first id counted as the previous shard's (> instead of >=)."""
+    logits = [shard(features) for shard in shards]
+    top = torch.stack([part.detach().amax(dim=1) for part in logits]).amax(dim=0)
+    sum_exp = sum((part - top[:, None]).exp().sum(dim=1) for part in logits)
+    return (sum_exp.log() + top - target_logits(logits, target, off_by=1)).mean()
+
+
+def first_shard_max(features, shards, target):
+    """The shift taken from the first shard's logits only."""
+    logits = [shard(features) for shard in shards]
+    top = logits[0].detach().amax(dim=1)
+    sum_exp = sum((part - top[:, None]).exp().sum(dim=1) for part in logits)
+    picked = target_logits(logits, target)
+    return (sum_exp.log() + top - picked).mean()
+
+
+def summed_over_tokens(features, shards, target):
+    return vocab_parallel(features, shards, target) * len(target)
+
+
+@pytest.mark.parametrize("answer, says", [
+    (first_id_missed, "your loss is"),
+    (first_shard_max, "overflows"),
+    (summed_over_tokens, "your loss is"),
+])
+def test_4_3_more_wrong_answers_fail(answer, says):
     fails(check_4_3, answer, says, E43)

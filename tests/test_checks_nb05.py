@@ -6,17 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline_lib.course.checks.nb05 import (Cluster, check_5_1, check_5_2, check_5_3,
+from pipeline_lib.course.checks.nb05 import (CLUSTER_5_1, Cluster, check_5_1, check_5_2,
+                                             check_5_3, jobs_5_1,
                                              cheapest_grid, communication_seconds,
                                              grid_problem)
 from pipeline_lib.course.exercises import ExerciseFailed, exercise
 from pipeline_lib.grad_clip import clip_grad_norm_
 
 
-def fails(check, answer, says: str, name: str) -> None:
+def fails(check, answer, says: str, name: str) -> str:
     with pytest.raises(ExerciseFailed) as failed, exercise(name):
-        check(answer, globals())      # as the notebook passes its globals()
+        check(answer)
     assert str(failed.value).startswith(name) and says in str(failed.value), failed.value
+    return str(failed.value)
 
 
 # -- 5.1 ----------------------------------------------------------------------------------------
@@ -58,8 +60,32 @@ def test_5_1_graders_cost_model_is_withheld():
         return min((PIPES_IN, DDP_IN), key=lambda g: sum(communication_seconds(
             Cluster(2, 2, fast, slow), g, a, p)))
 
-    for shortcut in (via_cheapest, via_cost):
+    def captured(a, p, fast, slow, _cost=communication_seconds):   # bound before the check
+        return min((PIPES_IN, DDP_IN), key=lambda g: sum(_cost(Cluster(2, 2, fast, slow),
+                                                               g, a, p)))
+
+    for shortcut in (via_cheapest, via_cost, captured):
         fails(check_5_1, shortcut, "computes the very answer", E51)
+
+
+def test_5_1_messages_name_no_cheapest_grid():
+    message = fails(check_5_1, lambda a, p, f, s: PIPES_IN, "communicate", E51)
+    assert f"pipelines {DDP_IN[0]}" not in message and "times what another grid takes" in message
+
+
+def test_5_1_a_table_of_the_shown_jobs_fails_on_the_drawn_ones():
+    by_bytes = {bytes_: place(*bytes_, CLUSTER_5_1.fast, CLUSTER_5_1.slow)
+                for bytes_ in jobs_5_1().values()}
+    for _ in range(3):
+        fails(check_5_1, lambda a, p, f, s: by_bytes[a, p], "KeyError", E51)
+
+
+@pytest.mark.parametrize("answer", [
+    lambda a, p, f, s: DDP_IN if a / s + p / f > a / f + p / s else PIPES_IN,   # = place
+    lambda a, p, f, s: DDP_IN if a > p else PIPES_IN,     # the same here: one fast, one slow
+])
+def test_5_1_right_answers_written_another_way_pass(answer):
+    check_5_1(answer)
 
 
 # -- 5.2 ----------------------------------------------------------------------------------------
@@ -81,6 +107,16 @@ def step_bytes(stages, micro_batch, microbatches, dp, *, ring=True, both_ways=Tr
     return all_reduce, boundary
 
 
+def step_bytes_on_inputs(stages, micro_batch, microbatches, dp):   # each stage's input counted
+    all_reduce, _ = step_bytes(stages, micro_batch, microbatches, dp)
+    boundary, x = [], micro_batch
+    with torch.no_grad():
+        for stage in stages[:-1]:
+            boundary.append(2 * microbatches * x.numel() * x.element_size())
+            x = stage(x)
+    return all_reduce, boundary
+
+
 def test_5_2_solution_passes():
     check_5_2(step_bytes)
 
@@ -92,6 +128,18 @@ def test_5_2_solution_passes():
     (lambda *a: step_bytes(*a, per_micro_batch=True), "micro-batches"),
 ], ids=["no ring factor", "forward only", "4 bytes assumed", "one micro-batch"])
 def test_5_2_wrong_answers_fail(answer, says):
+    message = fails(check_5_2, answer, says, E52)
+    assert "expected" not in message
+
+
+@pytest.mark.parametrize("answer, says", [
+    (lambda *a: step_bytes(*a[:3], 2), "times what each rank of a ring"),   # dp = 2 always
+    (lambda *a: step_bytes(*a[:3], 4), "times what each rank of a ring"),   # dp = 4 always
+    (step_bytes_on_inputs, "times what crosses"),
+    (lambda *a: (step_bytes(*a)[0], [b // 2 for b in step_bytes(*a)[1]]), "times what crosses"),
+    (lambda *a: step_bytes(*a)[0], "return a pair"),
+])
+def test_5_2_more_wrong_answers_fail(answer, says):
     fails(check_5_2, answer, says, E52)
 
 
@@ -146,6 +194,16 @@ def test_5_3_wrong_answers_fail(answer, says):
     fails(check_5_3, answer, says, E53)
 
 
+@pytest.mark.parametrize("answer, says", [
+    (lambda g, m: clip(g, m) * 2, "times the whole model's gradient norm"),
+    (lambda g, m: [clip(g, m)], "return the total norm"),
+    (lambda g, m: clip(g, m, norm="every rank") if len(g) == 2 else clip(g, m),
+     "replica 0, pipeline rank"),
+])
+def test_5_3_more_wrong_answers_fail(answer, says):
+    fails(check_5_3, answer, says, E53)
+
+
 def test_5_3_library_clip_is_withheld():
     def via_library(grads, max_norm):
         clip(grads, max_norm)      # the right gradients, but the norm asked of the library
@@ -174,6 +232,9 @@ def test_5_3_torch_clip_is_withheld():
         return norm
 
     fails(check_5_3, via_torch, "whole model's norm in one process", E53)
+
+    fails(check_5_3, lambda g, m, _total=torch.nn.utils.get_total_norm: float(
+        _total([t for s in g[0] for t in s.values()])), "whole model's norm in one process", E53)
     assert torch.nn.utils.clip_grad_norm_.__module__ == "torch.nn.utils.clip_grad"  # restored
 
 

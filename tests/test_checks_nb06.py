@@ -573,3 +573,32 @@ def test_6_3_more_wrong_answers_fail(answer, says):
     with pytest.raises(ExerciseFailed) as failed:
         nb06.check_groups(answer)
     assert says in str(failed.value)
+
+
+def test_6_2_a_table_of_the_shown_cases_fails_on_the_drawn_ones():
+    table = {(len(nb06._lowered(*case)), case[2], f"lowered {case[0]}"): pytorch_schedule(*case)
+             for case in nb06.LOWERED_CASES}
+
+    def from_table(ops, microbatches, name):
+        return table[len(ops), microbatches, name]
+    for _ in range(2):               # not in the table, or another case's schedule
+        with pytest.raises((KeyError, ExerciseFailed)):
+            nb06.check_from_lowered(from_table)
+
+
+def test_6_3_a_table_of_the_shown_meshes_fails_on_the_drawn_ones():
+    shown = {(pp, dp) for pp, dp in nb06.MESHES}
+
+    def from_table(rank, pp, dp):
+        assert (pp, dp) in shown, "not a mesh of my table"
+        return make_groups(rank, pp, dp)
+    for _ in range(2):
+        with pytest.raises(AssertionError, match="not a mesh of my table"):
+            nb06.check_groups(from_table)
+
+
+def test_6_3_messages_do_not_give_the_right_groups():
+    with pytest.raises(ExerciseFailed) as failed:
+        nb06.check_groups(transposed)
+    assert "not the ranks of its replica's pipeline" in str(failed.value)
+    assert "its pipeline is ranks" not in str(failed.value)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import re
+import types
 from dataclasses import replace
 from fractions import Fraction
 
@@ -16,6 +17,7 @@ from pipeline_lib.course.checks import nb07
 from pipeline_lib.course.exercises import ExerciseFailed
 from pipeline_lib.plan import Layout, Model, predict, search
 from pipeline_lib.plan.memory import layer_activation_bytes
+from pipeline_lib.plan.search import layouts
 from pipeline_lib.schedules import one_f_one_b
 
 
@@ -98,25 +100,58 @@ STAGE_MEMORY_SLIPS = {   # name: (the slip, what the message must say)
 }
 
 
-@pytest.mark.parametrize("slip", list(STAGE_MEMORY_SLIPS))
-def test_stage_memory_check_names_each_slip(slip):
-    keywords, says = STAGE_MEMORY_SLIPS[slip]
-    with pytest.raises(ExerciseFailed) as failed:
-        nb07.check_stage_memory(stage_memory_with(**keywords), seed=0)
-    assert says in str(failed.value), str(failed.value)
+def slipped(part, wrong):
+    """The solution with one ``part`` replaced by ``wrong(model, layout, right_value)``."""
+    solution = stage_memory_with()
+
+    def stage_memory(model, layout):
+        mine = solution(model, layout)
+        mine[part] = wrong(model, layout, mine[part])
+        return mine
+    return stage_memory
 
 
-@pytest.mark.parametrize("slip", list(STAGE_MEMORY_SLIPS))
+def interleaved_in_flight(model, layout, activations):
+    """Interleaved 1F1B's 2p - 1 micro-batches (of a stage's layers) held, not 1F1B's p."""
+    p, m = layout.pp, layout.microbatches
+    stage = model.layers // p * activations_per_layer(
+        model.seq_len, layout.micro_batch, model.hidden, model.heads, layout.tp,
+        layout.sequence_parallel, layout.recompute)
+    return activations + (min(2 * p - 1, m) - min(p, m)) * stage
+
+
+MORE_STAGE_MEMORY_SLIPS = {   # name: (the answer, what the message must say)
+    "the whole model's parameters over p":
+        (slipped("weights", lambda model, layout, _: 2 * model.parameters()
+                 / (layout.pp * layout.tp)), "your weights are"),
+    "every layer's activations, not the stage's":
+        (slipped("activations", lambda model, layout, held: held * layout.pp),
+         "16.0x too many"),
+    "32-bit weights": (slipped("weights", lambda model, layout, weights: 2 * weights),
+                       "2.0x too many"),
+    "interleaved 1F1B's 2p - 1 in flight": (slipped("activations", interleaved_in_flight),
+                                            "your activations are"),
+    "the optimizer sharded over t as well":
+        (slipped("optimizer", lambda model, layout, states: states / layout.tp
+                 if layout.distributed_optimizer else states), "optimizer states are"),
+}
+
+WRONG_STAGE_MEMORY = {**{name: (stage_memory_with(**keywords), says)
+                         for name, (keywords, says) in STAGE_MEMORY_SLIPS.items()},
+                      **MORE_STAGE_MEMORY_SLIPS}
+
+
+@pytest.mark.parametrize("slip", list(WRONG_STAGE_MEMORY))
 def test_stage_memory_messages_never_print_the_expected_answer(slip):
     """The message names the case, the learner's number for the wrong part and what is
     off; the expected bytes of that part appear nowhere, in GiB or in bytes."""
-    keywords, _ = STAGE_MEMORY_SLIPS[slip]
+    answer, _ = WRONG_STAGE_MEMORY[slip]
     with pytest.raises(ExerciseFailed) as failed:
-        nb07.check_stage_memory(stage_memory_with(**keywords), seed=0)
+        nb07.check_stage_memory(answer, seed=0)
     message = str(failed.value)
     case = next((m, l) for m, l in nb07.STAGE_MEMORY_CASES + nb07.hidden_stage_memory_cases(
         random.Random(0)) if nb07._describe(m, l) in message)
-    key = re.search(r"your (\w+) are", message).group(1)
+    key = re.search(r"your (\w+)(?: states)? are", message).group(1)
     expected = nb07.expected_stage_memory(*case)[key]
     assert f"{expected / 2**30:.3f}" not in message and f"{expected:.0f}" not in message
 
@@ -143,10 +178,19 @@ def test_stage_memory_check_refuses_the_planner():
     def through_memory_module(model, layout):
         return {"activations": layer_activation_bytes(model, nb07.A100, layout)}
 
+    copy = types.FunctionType(predict.__code__, predict.__globals__, "copy",
+                              predict.__defaults__, predict.__closure__)
+
+    def through_a_copy_of_predict(model, layout, _predict=copy):
+        memory = _predict(model, nb07.A100, layout).memory    # its helpers refuse
+        return {key: getattr(memory, key) for key in nb07.KEYS}
+
     for shortcut, name in [(through_predict, "predict"),
-                           (through_memory_module, "layer_activation_bytes")]:
-        with pytest.raises(ExerciseFailed, match=re.escape(f"calls `{name}`")):
-            nb07.check_stage_memory(shortcut, namespace=globals())
+                           (through_memory_module, "layer_activation_bytes"),
+                           (through_a_copy_of_predict, ""),
+                           (nb07.expected_stage_memory, "")]:      # the check's own count
+        with pytest.raises(ExerciseFailed, match=re.escape(f"calls `{name}")):
+            nb07.check_stage_memory(shortcut)
 
 
 def test_stage_memory_check_refuses_the_planner_bound_in_the_notebook():
@@ -155,7 +199,7 @@ def test_stage_memory_check_refuses_the_planner_bound_in_the_notebook():
          "    memory = predict(model, CLUSTER, layout).memory\n"
          "    return {k: getattr(memory, k) for k in KEYS}\n", namespace)
     with pytest.raises(ExerciseFailed, match="calls `predict`"):
-        nb07.check_stage_memory(namespace["stage_memory"], namespace=namespace)
+        nb07.check_stage_memory(namespace["stage_memory"])
 
 
 @pytest.mark.parametrize("returned, says", [
@@ -245,15 +289,6 @@ FASTER_LAYOUT_SLIPS = {   # name: (the returned layout, what the message must sa
 }
 
 
-@pytest.mark.parametrize("slip", list(FASTER_LAYOUT_SLIPS))
-def test_faster_layout_check_names_each_slip(slip):
-    returned, says = FASTER_LAYOUT_SLIPS[slip]
-    with pytest.raises(ExerciseFailed) as failed:
-        nb07.check_faster_layout(lambda model, cluster, published: returned(published),
-                                 seed=0)
-    assert says in str(failed.value), str(failed.value)
-
-
 def test_layouts_copied_from_the_stored_output_fail_the_hidden_case():
     """Issue 38: a layout copied from the notebook's output passed 7.2. Two layouts that
     beat the named cases, returned whatever the case: the hidden one refuses them."""
@@ -265,9 +300,71 @@ def test_layouts_copied_from_the_stored_output_fail_the_hidden_case():
             nb07.check_faster_layout(copied, seed=seed)
 
 
+def plans(model, cluster, published):
+    """The plans of a small search like the notebook's (1F1B, micro-batch 1, the published
+    recompute), in its order."""
+    gpus, batch, found = published.gpus, published.global_batch, []
+    for tp in (8, 4, 2, 1):
+        for pp in (32, 16, 8, 4, 2, 1):
+            dp = gpus // (tp * pp)
+            if gpus % (tp * pp) or model.layers % pp or batch % dp:
+                continue
+            try:
+                found.append(predict(model, cluster, Layout(
+                    tp=tp, pp=pp, dp=dp, global_batch=batch, recompute=published.recompute)))
+            except ValueError:                      # t does not divide the heads
+                continue
+    return found
+
+
+MORE_FASTER_LAYOUT_ANSWERS = {   # name: (the answer, what the message must say)
+    "the fastest, fits or not": (
+        lambda model, cluster, published: min(plans(model, cluster, published),
+                                              key=lambda plan: plan.step_time).layout,
+        "more than the 80 GiB there is"),
+    "the first that fits, faster or not": (
+        lambda model, cluster, published: next(
+            plan.layout for plan in plans(model, cluster, published) if plan.fits),
+        "it must be faster"),
+    "a bigger micro-batch (bigger multiplies)": (
+        lambda model, cluster, published: replace(published,
+                                                  micro_batch=2 * published.micro_batch),
+        "it must be faster"),
+    "d = GPUs / p, forgetting t": (
+        lambda model, cluster, published: replace(published, pp=published.pp // 2,
+                                                  dp=published.gpus // (published.pp // 2)),
+        "the published run has"),
+}
+
+
+WRONG_FASTER_LAYOUTS = {**{name: (lambda model, cluster, published, wrong=returned:
+                                   wrong(published), says)
+                           for name, (returned, says) in FASTER_LAYOUT_SLIPS.items()},
+                        **MORE_FASTER_LAYOUT_ANSWERS}
+
+
+WRONG_ANSWERS = {
+    **{f"7.1, {name}": (nb07.check_stage_memory, answer, says)
+       for name, (answer, says) in WRONG_STAGE_MEMORY.items()},
+    **{f"7.2, {name}": (nb07.check_faster_layout, answer, says)
+       for name, (answer, says) in WRONG_FASTER_LAYOUTS.items()}}
+
+
+@pytest.mark.parametrize("wrong", list(WRONG_ANSWERS))
+def test_each_wrong_answer_fails_saying_what_is_wrong(wrong):
+    check, answer, says = WRONG_ANSWERS[wrong]
+    with pytest.raises(ExerciseFailed) as failed:
+        check(answer, seed=0)
+    assert says in str(failed.value), str(failed.value)
+
+
 def test_faster_layout_check_refuses_the_search():
     def through_search(model, cluster, published):
         return search(model, cluster, published.gpus, published.global_batch).best.layout
 
-    with pytest.raises(ExerciseFailed, match="calls `search`"):
-        nb07.check_faster_layout(through_search, namespace=globals(), seed=0)
+    def through_its_candidates(model, cluster, published):   # the search's own enumeration
+        return next(iter(layouts(model, published.gpus, published.global_batch, ("1f1b",))))
+
+    for shortcut, name in [(through_search, "search"), (through_its_candidates, "layouts")]:
+        with pytest.raises(ExerciseFailed, match=f"calls `{name}`"):
+            nb07.check_faster_layout(shortcut, seed=0)

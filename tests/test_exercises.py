@@ -117,45 +117,117 @@ def test_make_student_writes_every_notebook_without_solutions_or_outputs(tmp_pat
         assert "### BEGIN SOLUTION" not in "".join(c.source for c in nb.cells), path.name
 
 
-def test_withheld_refuses_every_name_of_the_function_and_restores_them():
-    """A learner's call of the library function that is the answer fails, by whichever
-    name it was imported under, and only inside the block."""
-    from pipeline_lib import timeline
+def test_withheld_refuses_the_function_however_it_is_reached_and_restores_it():
+    """A learner's call of the library function that is the answer fails by whichever
+    route it reaches the function object: its name, an alias, a module attribute, a
+    dict, a default argument bound before the check, ``__wrapped__``, another thread;
+    and only inside the block."""
+    import threading
+
+    import pipeline_lib
+    from pipeline_lib import schedules, timeline
     from pipeline_lib.course.exercises import ExerciseFailed, exercise, withheld
 
-    original = timeline.simulate
-    notebook = {"simulate": original, "sim": original, "other": len}
-    with pytest.raises(ExerciseFailed, match=r"^Exercise 0\.1 \(t\): your code calls "
-                                             r"`simulate`"):
-        with exercise("Exercise 0.1 (t)"), withheld(original, namespace=notebook):
-            assert notebook["other"] is len                  # other names untouched
-            notebook["sim"]()
-    assert notebook == {"simulate": original, "sim": original, "other": len}
-    assert timeline.simulate is original
-    import pipeline_lib
-    with withheld(original):
-        with pytest.raises(ExerciseFailed):
-            pipeline_lib.simulate()                          # the package's own name too
-    assert pipeline_lib.simulate is original
+    original, builder = timeline.simulate, schedules.gpipe
+    sim, table = original, {"gpipe": schedules.BUILDERS["gpipe"]}
+
+    def captured(p, m, _build=builder):          # bound before the check ran
+        return _build(p, m)
+
+    def in_a_thread():
+        caught = []
+        worker = threading.Thread(target=lambda: caught.append(
+            pytest.raises(ExerciseFailed, builder, 2, 2)))
+        worker.start()
+        worker.join()
+        assert caught, "the thread did not run"
+        raise ExerciseFailed("refused in a thread too")
+
+    routes = [lambda: sim(builder(2, 2)), lambda: pipeline_lib.simulate(None),
+              lambda: timeline.simulate(None), lambda: table["gpipe"](2, 2),
+              lambda: captured(2, 2), lambda: builder.__wrapped__(2, 2),
+              lambda: schedules.build("gpipe", 2, 2), in_a_thread]
+    for route in routes:
+        with pytest.raises(ExerciseFailed, match=r"^Exercise 0\.1 \(t\): (your code calls "
+                                                 r"`(simulate|gpipe)`|refused in a thread)"):
+            with exercise("Exercise 0.1 (t)"), withheld(original, builder):
+                route()
+    assert timeline.simulate is original and original.__code__.co_name == "simulate"
+    assert captured(2, 3).microbatches == 3                  # restored, every route
+    assert sim(builder(2, 4)).makespan > 0
     with pytest.raises(TypeError, match="functions"):
         with withheld(3):
             pass
+
+
+def test_withheld_fails_the_block_when_the_learner_hides_a_refusal():
+    from pipeline_lib.course.exercises import ExerciseFailed, withheld
+    from pipeline_lib.microbatch import split
+
+    def tries_the_library_first(x, m):
+        try:
+            return split(x, m)
+        except Exception:                    # the refusal caught: then something else
+            return [x]
+
+    with pytest.raises(ExerciseFailed, match="`split`"):
+        with withheld(split):
+            assert tries_the_library_first([1, 2], 1) == [[1, 2]]
+    assert len(split(__import__("torch").zeros(4), 2)) == 2
+
+
+def test_withheld_restores_the_code_when_the_block_raises():
+    from pipeline_lib.course.exercises import withheld
+    from pipeline_lib.timeline import bubble_theory
+
+    code = bubble_theory.__code__
+    with pytest.raises(KeyError):
+        with withheld(bubble_theory):
+            raise KeyError("the learner's own error")
+    assert bubble_theory.__code__ is code and bubble_theory(2, 4) == pytest.approx(1 / 5)
 
 
 def test_withheld_takes_a_module_name_for_all_its_functions():
     from pipeline_lib import schedules, timeline
     from pipeline_lib.course.exercises import ExerciseFailed, withheld
 
-    notebook = {"simulate": timeline.simulate, "gpipe": schedules.gpipe}
-    with withheld("pipeline_lib.timeline", namespace=notebook):
-        with pytest.raises(ExerciseFailed, match="`simulate`"):
-            notebook["simulate"]()
-        with pytest.raises(ExerciseFailed, match="`bubble_theory`"):
-            timeline.bubble_theory(2, 4)
-        assert notebook["gpipe"] is schedules.gpipe               # another module: free
-        assert timeline.Timeline.__name__ == "Timeline"           # classes stay
+    for call, name in [(lambda: timeline.simulate(schedules.gpipe(2, 2)), "simulate"),
+                       (lambda: timeline.bubble_theory(2, 4), "bubble_theory")]:
+        with pytest.raises(ExerciseFailed, match=f"`{name}`"):
+            with withheld("pipeline_lib.timeline"):
+                call()
+    with withheld("pipeline_lib.timeline"):
+        assert schedules.gpipe(2, 2).ranks == 2                   # another module: free
+        assert timeline.Timeline(2, []).ranks == 2                # classes stay
     assert timeline.bubble_theory(2, 4) == pytest.approx(1 / 5)
 
+
+def test_withheld_takes_a_class_and_refuses_making_one():
+    from torch import nn
+
+    from pipeline_lib.batchnorm import DeferredBatchNorm
+    from pipeline_lib.course.exercises import ExerciseFailed, withheld
+    from pipeline_lib.sync import Pipe as ClassicPipe
+    from pipeline_lib.threaded import Pipe
+
+    for make in [lambda: Pipe(nn.Sequential(nn.Linear(2, 2)), chunks=1),
+                 lambda: type("Mine", (Pipe,), {})(nn.Sequential(nn.Linear(2, 2)), chunks=1),
+                 lambda: ClassicPipe(nn.Sequential(nn.Linear(2, 2)), chunks=1)]:
+        with pytest.raises(ExerciseFailed, match="`Pipe`"):     # and what derives from it
+            with withheld(Pipe):
+                make()
+    with withheld(Pipe):
+        assert DeferredBatchNorm(2, chunks=2).num_features == 2  # other classes: free
+    assert Pipe(nn.Sequential(nn.Linear(2, 2)), chunks=1).chunks == 1
+
+
+def test_withheld_says_the_reason_given():
+    from pipeline_lib.course.exercises import ExerciseFailed, withheld
+    from pipeline_lib.timeline import bubble_theory
+
+    with pytest.raises(ExerciseFailed, match="^no `bubble_theory` here$"):
+        with withheld(bubble_theory, reason="no `{name}` here"):
+            bubble_theory(2, 2)
 
 
 def test_withheld_refuses_a_module_without_functions(monkeypatch):
@@ -167,6 +239,19 @@ def test_withheld_refuses_a_module_without_functions(monkeypatch):
     with pytest.raises(ValueError, match="defines no functions"):
         with withheld("pipeline_lib._empty"):
             pass
+
+
+def test_hidden_cases_are_new_distinct_and_differ_between_runs():
+    from pipeline_lib.course.exercises import hidden_cases
+
+    shown = [(2, 3), (4, 5)]
+    runs = [hidden_cases(lambda rng: (rng.randint(1, 9), rng.randint(1, 9)), 5, shown=shown)
+            for _ in range(4)]
+    for cases in runs:
+        assert len(cases) == 5 == len(set(cases)) and not set(cases) & set(shown)
+    assert len({tuple(cases) for cases in runs}) > 1
+    with pytest.raises(ValueError, match="widen the range"):
+        hidden_cases(lambda rng: rng.randint(1, 3), 3, shown=[1])
 
 
 def test_make_student_again_keeps_the_learners_answers(tmp_path, capsys):
@@ -239,3 +324,12 @@ def test_make_student_refuses_a_file_or_the_instructor_folder(tmp_path, capsys):
             make_student([str(out)])
         assert exit_.value.code == 2
         assert says in capsys.readouterr().err
+
+
+def test_withheld_namespace_is_no_longer_needed():
+    from pipeline_lib.course.exercises import withheld
+    from pipeline_lib.timeline import bubble_theory
+
+    with pytest.warns(DeprecationWarning, match="no longer needed"):
+        with withheld(bubble_theory, namespace={"bubble_theory": bubble_theory}):
+            pass

@@ -105,7 +105,9 @@ def test_tutorial_preset_has_the_tutorials_1_4b_parameters():
 def test_bad_configurations_are_explained():
     with pytest.raises(ValueError, match="Unknown preset 'gpu'"):
         transformer_lm(VOCAB, preset="gpu")
-    with pytest.raises(TypeError, match=r"Unknown option\(s\) \['layers'\]"):
+    with pytest.raises(TypeError, match=r"Unknown option\(s\) \['n_layers'\]"):
+        transformer_lm(VOCAB, n_layers=2)
+    with pytest.raises(TypeError, match=r"layers= takes the indices.*pass nlayers= instead"):
         transformer_lm(VOCAB, layers=2)
     with pytest.raises(ValueError, match="divisible by nhead"):
         transformer_lm(VOCAB, d_model=30, nhead=4)

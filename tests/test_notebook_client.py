@@ -9,11 +9,9 @@ notebook_client says how). In the exercise test that was a 5-minute stall in not
 """
 from __future__ import annotations
 
-import time
-
 from nbformat.v4 import new_code_cell, new_notebook
 
-from notebook_client import notebook_client
+from notebook_client import execute_timed, notebook_client
 
 TIMEOUT_S = 60        # per cell; the cells below take well under a second in the kernel
 DISPLAYS = 200        # outputs sent into the widget: with nbclient's client, enough that
@@ -24,14 +22,7 @@ def run(*sources: str, tmp_path) -> tuple[list, dict[int, float]]:
     """Run one notebook of these cells; return its cells and how long the client waited
     for each (from sending the cell to having its reply and outputs)."""
     nb = new_notebook(cells=[new_code_cell(source) for source in sources])
-    client = notebook_client(nb, tmp_path, TIMEOUT_S, allow_errors=True)
-    started: dict[int, float] = {}
-    waited: dict[int, float] = {}
-    client.on_cell_execute = lambda cell, cell_index, **_: started.update(
-        {cell_index: time.monotonic()})
-    client.on_cell_executed = lambda cell, cell_index, **_: waited.update(
-        {cell_index: time.monotonic() - started[cell_index]})
-    client.execute()
+    waited = execute_timed(notebook_client(nb, tmp_path, TIMEOUT_S, allow_errors=True))
     return nb.cells, waited
 
 

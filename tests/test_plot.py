@@ -195,7 +195,8 @@ def test_bubble_curves_follow_theory_simulation_and_measurements():
         start = 1 if v == 1 else p
         assert (theory.get_xdata()[0], theory.get_xdata()[-1]) == (start, 8)
         # the simulator at every m, interleaved too (it takes any m >= 1)
-        assert dots.get_marker() == "o" and list(dots.get_xdata()) == ms
+        # one style per series: circles for 1F1B, squares for interleaved
+        assert dots.get_marker() == ("o" if v == 1 else "s") and list(dots.get_xdata()) == ms
         for m, y in zip(ms, dots.get_ydata()):
             if m >= start:
                 assert y == pytest.approx(bubble_theory(p, m, v)), (p, v, m)
@@ -209,3 +210,40 @@ def test_bubble_curves_follow_theory_simulation_and_measurements():
             assert list(zip(crosses.get_xdata(), crosses.get_ydata())) == [(1, 0.45), (4, 0.2)]
             k += 1
     assert k == len(drawn)
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert {"simulated, v = 1", "simulated, v > 1", "measured, v = 1",
+            "measured, v > 1"} <= set(legend)
+
+
+def test_measured_interleaved_points_are_plus_signs_not_crosses():
+    ax = bubble_vs_microbatches([2], [2, 4], [1, 2], measured={(2, 2): {2: 0.3}},
+                                ax=axes(7, 4))
+    assert [line.get_marker() for line in ax.lines if line.get_linestyle() == "None"] == \
+        ["o", "s", "+"]
+
+
+def test_rows_holding_several_stages_name_them():
+    ax = gantt(simulate(interleaved_1f1b(2, 4, 2)), ax=axes())
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0: s0, s2", "rank 1: s1, s3"]
+    assert [t.get_text() for t in gantt(simulate(gpipe(2, 2)), ax=axes()).get_yticklabels()] \
+        == ["rank 0", "rank 1"]
+
+
+def test_a_window_draws_part_of_the_step_with_room_for_the_stage_labels():
+    timeline = simulate(interleaved_1f1b(4, 8, 2), forward=0.5, backward=1.0)
+    whole = gantt(timeline, ax=axes(width=10, height=3))
+    part = gantt(timeline, ax=axes(width=10, height=3), window=(0, 6))
+    assert part.get_xlim() == (0, 6)
+    def stage_labels(ax):
+        return [t for t in ax.texts if t.get_text().startswith("s") and t.get_position()[0] <= 6]
+    assert len(stage_labels(part)) > len(stage_labels(whole))   # the forwards' too
+    assert all(0 <= t.get_position()[0] <= 6 for t in part.texts)
+
+
+def test_legend_handles_cover_several_charts():
+    from pipeline_lib.viz.plot import legend_handles
+    labels = [h.get_label() for h in legend_handles([simulate(gpipe(2, 2)),
+                                                     simulate(zb_h1(2, 2), weight=1.0),
+                                                     simulate(interleaved_1f1b(2, 2, 2))])]
+    assert labels == ["F forward", "B backward", "I input grad", "W weight grad",
+                      "virtual stage 1 of a rank", "virtual stage 2 of a rank", "idle"]

@@ -1,7 +1,8 @@
 """What the notebooks use and a pipeline does not need.
 
-* `exercises`: the exercises' checks (`exercise`, `withheld`); ``make student`` strips
-  the solutions they check;
+* `exercises`: the exercises' checks (`exercise`, `withheld`, `hidden_cases`,
+  `ignores_namespace` for old check cells); ``make student`` strips the solutions they
+  check;
 * `speed`: a measured step taken apart (is the pipeline faster, and why not);
 * `timing`: several ways of doing one thing timed in turns, and how busy the machine was (03);
 * `checks`: each notebook's exercise checks, one module per notebook (``checks.nb03``);

@@ -123,6 +123,10 @@ def transformer_lm(vocab_size: int, preset: str = "cpu", *,
     if unknown:
         raise TypeError(f"Unknown option(s) {sorted(unknown)}; allowed: {sorted(allowed)}.")
     cfg = {**PRESETS[preset], **overrides}
+    if layers is not None and (isinstance(layers, (int, str)) or not isinstance(layers, Container)):
+        raise TypeError(
+            f"layers= takes the indices of the layers to keep (e.g. range(0, 3)), got {layers!r}; "
+            "to set how many Transformer layers the model has, pass nlayers= instead.")
     d_model, nhead, nlayers = int(cfg["d_model"]), int(cfg["nhead"]), int(cfg["nlayers"])
     if vocab_size < 1 or nlayers < 1:
         raise ValueError(f"vocab_size and nlayers must be >= 1, got {vocab_size} and {nlayers}.")

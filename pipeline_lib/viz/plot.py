@@ -75,15 +75,19 @@ def _legend(ax: Axes, handles: list) -> None:
 
 
 def gantt(timeline: Timeline, ax: Axes | None = None, title: str | None = None,
-          labels: bool = True, legend: bool = True) -> Axes:
+          labels: bool = True, legend: bool = True,
+          window: tuple[float, float] | None = None) -> Axes:
     """Draw one row per rank, one box per action, on a grey row that shows idle time.
 
     Boxes are coloured by kind (F, B, I, W) and carry the micro-batch number; when a
-    rank holds several stages (interleaved schedules) its later virtual stages are paler
-    and hatched, and the stage is written under the number where the box is tall enough.
-    Labels are 8 pt; a label that would not fit its box is left out rather than
-    overprinted. The title ends with the bubble fraction, and for a measured timeline
-    (one with a unit) the step's length first, so a chart states the numbers it shows.
+    rank holds several stages (interleaved and V schedules) its later virtual stages are
+    paler and hatched, its row is labelled with the stages it holds, and the stage is
+    written under the number where the box is tall and wide enough. Labels are 8 pt; a
+    label that would not fit its box is left out rather than overprinted. ``window``
+    (start, end, in the axis' units) draws that stretch of the step only, at the axes'
+    full width: half-stage boxes too narrow for their labels in the whole step get room
+    there. The title ends with the bubble fraction, and for a measured timeline (one with
+    a unit) the step's length first, so a chart states the numbers it shows.
     """
     if not isinstance(timeline, Timeline):
         raise TypeError(f"gantt draws a Timeline (from simulate() or pipe.timeline), "
@@ -96,6 +100,7 @@ def gantt(timeline: Timeline, ax: Axes | None = None, title: str | None = None,
         _, ax = plt.subplots(figsize=(10, 0.45 * timeline.ranks + 1.3))
     scale, xlabel = _time_scale(timeline)
     span = timeline.makespan * scale
+    shown = (0.0, span) if window is None else window
     virtual = _virtual_stage_of(timeline)
     per_rank = max(virtual.values()) + 1
     interleaved = per_rank > 1
@@ -121,7 +126,9 @@ def gantt(timeline: Timeline, ax: Axes | None = None, title: str | None = None,
         width, height = _axes_points(ax)
         two_lines = 0.8 * height / timeline.ranks >= 2.5 * LABEL_POINTS
         for e in timeline.events:
-            box_points = e.duration * scale / span * width
+            if not shown[0] <= e.start * scale <= e.end * scale <= shown[1]:
+                continue                                  # labels for whole boxes only
+            box_points = e.duration * scale / (shown[1] - shown[0]) * width
             k = virtual[e.rank, e.action.stage]
             colour = "white" if k == 0 else "black"
             centre = (e.start + e.duration / 2) * scale
@@ -136,8 +143,9 @@ def gantt(timeline: Timeline, ax: Axes | None = None, title: str | None = None,
                         fontsize=LABEL_POINTS, color=colour, zorder=2)
 
     ax.set_ylim(timeline.ranks - 0.5, -0.5)       # rank 0 on top, as in the papers
-    ax.set_yticks(range(timeline.ranks), [f"rank {r}" for r in range(timeline.ranks)])
-    ax.set_xlim(0, span)
+    ax.set_yticks(range(timeline.ranks), [_row_label(r, virtual) if interleaved
+                                          else f"rank {r}" for r in range(timeline.ranks)])
+    ax.set_xlim(*shown)
     ax.set_xlabel(xlabel)
     ax.tick_params(axis="y", length=0)
     for side in ("top", "right", "left"):
@@ -148,15 +156,32 @@ def gantt(timeline: Timeline, ax: Axes | None = None, title: str | None = None,
         numbers = f"step {_step_time(timeline)}, {numbers}"
     ax.set_title(f"{name}: {numbers}" if name else numbers, loc="left", fontsize=10)
     if legend:
-        kinds = [k for k in KIND_COLOURS if any(e.action.kind == k for e in timeline.events)]
-        handles = [Patch(color=KIND_COLOURS[k], label=f"{k} {KIND_NAMES[k]}") for k in kinds]
-        handles += [Patch(facecolor=_lighter("#777777", paler(k)), edgecolor=HATCH_COLOUR,
-                          hatch=VIRTUAL_STAGE_HATCHES[k % len(VIRTUAL_STAGE_HATCHES)],
-                          label=f"virtual stage {k + 1} of a rank") for k in range(per_rank)
-                    if interleaved]
-        handles.append(Patch(color=IDLE_COLOUR, label="idle"))
-        _legend(ax, handles)
+        _legend(ax, legend_handles([timeline]))
     return ax
+
+
+def _row_label(row: int, virtual: dict[tuple[int, int], int]) -> str:
+    """'rank 0: s0, s7': a row that holds several stages names them, first virtual stage
+    first, so every box can be read as a stage even where it is too small for a label."""
+    held = sorted((k, stage) for (r, stage), k in virtual.items() if r == row)
+    return f"rank {row}: " + ", ".join(f"s{stage}" for _, stage in held)
+
+
+def legend_handles(timelines: Sequence[Timeline]) -> list[Patch]:
+    """The legend of `gantt` for charts of ``timelines``: the action kinds they hold, the
+    virtual stages of their ranks, idle. One legend for a figure of several charts keeps
+    every chart's time axis the same width (``gantt(..., legend=False)`` on each)."""
+    events = [e for t in timelines for e in t.events]
+    kinds = [k for k in KIND_COLOURS if any(e.action.kind == k for e in events)]
+    per_rank = max(max(_virtual_stage_of(t).values()) + 1 for t in timelines)
+    handles = [Patch(color=KIND_COLOURS[k], label=f"{k} {KIND_NAMES[k]}") for k in kinds]
+    if per_rank > 1:
+        handles += [Patch(facecolor=_lighter("#777777", 0.5 * k / (per_rank - 1)),
+                          edgecolor=HATCH_COLOUR,
+                          hatch=VIRTUAL_STAGE_HATCHES[k % len(VIRTUAL_STAGE_HATCHES)],
+                          label=f"virtual stage {k + 1} of a rank") for k in range(per_rank)]
+    handles.append(Patch(color=IDLE_COLOUR, label="idle"))
+    return handles
 
 
 def mark(ax: Axes, timeline: Timeline, times: Sequence[float], rows: Sequence[int],
@@ -178,14 +203,16 @@ def bubble_vs_microbatches(ranks: Sequence[int], microbatches: Sequence[int],
                            virtual_stages: Sequence[int] = (1,),
                            measured: Mapping[tuple[int, int], Mapping[int, float]] | None = None,
                            ax: Axes | None = None) -> Axes:
-    """Bubble fraction against micro-batches m: theory as lines, the simulator as dots,
-    and measured runs (``measured[(p, v)][m]``) as crosses, one colour per p.
+    """Bubble fraction against micro-batches m: theory as lines, the simulator as open
+    markers, and measured runs (``measured[(p, v)][m]``) as crosses, one colour per p.
 
-    v = 1 is 1F1B (GPipe's bubble is the same); v > 1 is interleaved 1F1B, dashed, simulated
-    at every m; its theory line starts at m = p: below, one round of m < p micro-batches
-    cannot keep the loop busy, and the simulated dots sit above the formula. Forward costs
-    1, backward 2, split evenly over a rank's v virtual stages, so every curve describes the same
-    model.
+    v = 1 is 1F1B (GPipe's bubble is the same): solid lines, circles, crosses. v > 1 is
+    interleaved 1F1B: dashed lines, squares, plus signs, simulated at every m; its theory
+    line starts at m = p: below, one round of m < p micro-batches cannot keep the loop
+    busy, and its squares sit above the formula, where no line reaches them. Each series
+    has its own style, so no interleaved point reads as a 1F1B one. Forward costs 1,
+    backward 2, split evenly over a rank's v virtual stages, so every curve describes the
+    same model.
     """
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 4))
@@ -204,10 +231,12 @@ def bubble_vs_microbatches(ranks: Sequence[int], microbatches: Sequence[int],
             name = "1f1b" if v == 1 else "interleaved_1f1b"
             simulated = [simulate(build(name, p, m, v), forward=1 / v,
                                   backward=2 / v).bubble_fraction() for m in ms]
-            ax.plot(ms, simulated, "o", color=colour, markerfacecolor="none")
+            ax.plot(ms, simulated, "o" if v == 1 else "s", color=colour,
+                    markerfacecolor="none", markersize=6 if v == 1 else 7)
             points = sorted(measured.get((p, v), {}).items())
             if points:
-                ax.plot(*zip(*points), "x", color=colour, markersize=8, markeredgewidth=2)
+                ax.plot(*zip(*points), "x" if v == 1 else "+", color=colour,
+                        markersize=8 if v == 1 else 10, markeredgewidth=2)
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(set(microbatches)), [str(m) for m in sorted(set(microbatches))])
     ax.minorticks_off()
@@ -216,12 +245,19 @@ def bubble_vs_microbatches(ranks: Sequence[int], microbatches: Sequence[int],
     ax.set_xlabel("micro-batches m")
     ax.set_ylabel("bubble (share of total time)")
     ax.set_title("Bubble (p−1)/(v·m+p−1)", loc="left", fontsize=10)
+    looped = any(v > 1 for v in virtual_stages)
     markers = [Line2D([], [], color="grey", label="theory"),
                Line2D([], [], color="grey", marker="o", markerfacecolor="none",
-                      linestyle="", label="simulated")]
+                      linestyle="", label="simulated" + (", v = 1" if looped else ""))]
+    if looped:
+        markers.append(Line2D([], [], color="grey", marker="s", markerfacecolor="none",
+                              linestyle="", label="simulated, v > 1"))
     if measured:
         markers.append(Line2D([], [], color="grey", marker="x", markeredgewidth=2,
-                              linestyle="", label="measured"))
+                              linestyle="", label="measured" + (", v = 1" if looped else "")))
+        if looped:
+            markers.append(Line2D([], [], color="grey", marker="+", markeredgewidth=2,
+                                  markersize=10, linestyle="", label="measured, v > 1"))
     handles, _ = ax.get_legend_handles_labels()
     _legend(ax, handles + markers)
     for side in ("top", "right"):

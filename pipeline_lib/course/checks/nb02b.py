@@ -1,27 +1,27 @@
 """Checks of notebook 02b's exercises (the split backward and zero-bubble schedules).
 
 Each ``check_*`` runs the learner's function where the library functions that *are* the
-answer are withheld. ZB-H1's bubble is checked at costs beyond the papers' W ≤ I ≤ F,
-where the published formula, printed in notebooks 02 and 02b, no longer holds; the split
-backward by hand is watched: which gradients each ``torch.autograd.grad`` call asks for,
-in which order, and whether the forward ran again.
+answer are withheld (however reached), at the notebook's cases and at cases drawn afresh
+for every run. ZB-H1's bubble is checked at costs beyond the papers' W ≤ I ≤ F, where the
+published formula, printed in notebooks 02 and 02b, no longer holds; the split backward by
+hand is watched through autograd hooks: which gradients each backward pass computes, in
+which order, and whether the forward ran again.
 """
 from __future__ import annotations
 
 import copy
+import numbers
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
-from pipeline_lib.course.exercises import ExerciseFailed, withheld
+from pipeline_lib.course.exercises import (ExerciseFailed, hidden_cases, ignores_namespace,
+                                           withheld)
 from pipeline_lib.schedules import (BUILDERS, Schedule, ScheduleError, build,
                                     one_f_one_b, validate, zb_h1)
 from pipeline_lib.timeline import rank_facts, simulate
-
-Namespace = dict[str, Any] | None
 
 # what computes ZB-H1 or its timeline for the learner
 SCHEDULE_FUNCTIONS = (*BUILDERS.values(), build, "pipeline_lib.course.pytorch_schedules")
@@ -38,38 +38,49 @@ BUBBLE_COSTS = [(1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (2.0, 1.5, 1.0), (1.0, 0.5, 1.
                 (2.0, 1.0, 1.5), (0.5, 1.0, 1.0), (1.0, 2.0, 0.5), (1.0, 1.0, 3.0)]
 
 
-def check_zb_h1_bubble(zb_h1_bubble: Callable, namespace: Namespace = None) -> None:
+def _costs(rng: Any) -> tuple[int, float, float, float]:
+    """Ranks and (F, I, W) for a drawn case: halves from 0.5 to 3, in any order."""
+    return (rng.randint(2, 6), *(rng.randint(1, 6) / 2 for _ in range(3)))
+
+
+@ignores_namespace(1)
+def check_zb_h1_bubble(zb_h1_bubble: Callable) -> None:
     """Exercise 2b.1: ZB-H1's idle time per rank against the simulator's, at p = 2, 3, 4,
-    for costs inside and outside the published formula's W ≤ I ≤ F."""
-    for p in (2, 3, 4):
-        for f, i, w in BUBBLE_COSTS:
-            schedule = zb_h1(p, 3 * p)
-            timeline = simulate(schedule, forward=f, backward=i + w, weight=w)
-            simulated = max(r.bubble for r in rank_facts(schedule, timeline))
-            with withheld(simulate, rank_facts, *SCHEDULE_FUNCTIONS, namespace=namespace):
-                yours = zb_h1_bubble(p, f, i, w)
-            _require(isinstance(yours, (int, float)),
-                     f"zb_h1_bubble must return a number, got {yours!r}")
-            published = (p - 1) * (f + i - w)
-            _require(abs(yours - simulated) < 1e-9,
-                     f"at p={p}, F={f:g}, I={i:g}, W={w:g} the simulated ZB-H1 idles "
-                     f"{simulated:g} per rank, your formula gives {yours:g}"
-                     + (" (that is 1F1B's bubble: which part of the drain do the deferred "
-                        "Ws fill?)" if abs(yours - (p - 1) * (f + i + w)) < 1e-9 else "")
-                     + (" (that is the published formula, which assumes W <= I <= F: what "
-                        "else can a rank wait for?)"
-                        if abs(yours - published) < 1e-9 and not w <= i <= f else ""))
+    for costs inside and outside the published formula's W ≤ I ≤ F, and at ranks and costs
+    drawn for this run. A message names the learner's value, never the simulator's."""
+    shown = [(p, *costs) for p in (2, 3, 4) for costs in BUBBLE_COSTS]
+    for p, f, i, w in shown + hidden_cases(_costs, 8, shown=shown):
+        schedule = zb_h1(p, 3 * p)
+        timeline = simulate(schedule, forward=f, backward=i + w, weight=w)
+        simulated = max(r.bubble for r in rank_facts(schedule, timeline))
+        with withheld(simulate, rank_facts, *SCHEDULE_FUNCTIONS):
+            yours = zb_h1_bubble(p, f, i, w)
+        _require(isinstance(yours, numbers.Real) and not isinstance(yours, bool),
+                 f"zb_h1_bubble must return a number, got {yours!r}")
+        published = (p - 1) * (f + i - w)
+        _require(abs(yours - simulated) < 1e-9,
+                 f"at p={p}, F={f:g}, I={i:g}, W={w:g} your formula gives {float(yours):g}, "
+                 f"{'more' if yours > simulated else 'less'} than the simulated ZB-H1 idles "
+                 f"per rank"
+                 + (" (that is 1F1B's bubble: which part of the drain do the deferred "
+                    "Ws fill?)" if abs(yours - (p - 1) * (f + i + w)) < 1e-9 else "")
+                 + (" (that is the published formula, which assumes W <= I <= F: what "
+                    "else can a rank wait for?)"
+                    if abs(yours - published) < 1e-9 and not w <= i <= f else ""))
 
 
 ZB_SIZES = [(2, 4), (4, 8), (4, 5), (3, 2)]
 
 
-def check_my_zb_h1(my_zb_h1: Callable, namespace: Namespace = None) -> None:
+@ignores_namespace(1)
+def check_my_zb_h1(my_zb_h1: Callable) -> None:
     """Exercise 2b.2: a valid schedule with every backward split, no rank above 1F1B's
-    peak, and ZB-H1's step time; the builders are withheld."""
+    peak, and ZB-H1's step time, at the notebook's sizes and at sizes drawn for this run;
+    the builders are withheld (``BUILDERS["zb_h1"]`` too)."""
     costs = dict(forward=1, backward=2, weight=1)
-    for p, m in ZB_SIZES:
-        with withheld(*SCHEDULE_FUNCTIONS, namespace=namespace):
+    drawn = hidden_cases(lambda rng: (rng.randint(2, 6), rng.randint(1, 12)), 3, shown=ZB_SIZES)
+    for p, m in ZB_SIZES + drawn:
+        with withheld(*SCHEDULE_FUNCTIONS):
             mine = my_zb_h1(p, m)
         _require(isinstance(mine, Schedule), f"return a Schedule, got {type(mine).__name__}")
         _require((mine.ranks, mine.microbatches) == (p, m),
@@ -94,27 +105,41 @@ def check_my_zb_h1(my_zb_h1: Callable, namespace: Namespace = None) -> None:
                  f"{target:g}: check the weight lag of each stage")
 
 
-@contextmanager
-def _watched_grad(namespace: Namespace) -> Iterator[list[tuple[tuple, tuple]]]:
-    """While the block runs, every ``torch.autograd.grad`` call (by that name, or by a
-    name the notebook bound to it) is written down: its outputs and its inputs."""
-    original, calls = torch.autograd.grad, []
+class _Watch:
+    """What the learner's function does with one stage: its forwards, and for each backward
+    pass through the stage's output (``torch.autograd.grad`` or ``.backward()``, whatever
+    it starts from: ``y`` with a gradient, ``(y * g).sum()``...) which gradients it
+    computed, the stage input's and the parameters'. Seen through autograd hooks, not
+    through names, so every way of calling autograd is seen alike."""
 
-    def grad(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        as_tuple = (lambda t: tuple(t) if isinstance(t, (list, tuple)) else (t,))
-        calls.append((as_tuple(outputs), as_tuple(inputs)))
-        return original(outputs, inputs, *args, **kwargs)
+    def __init__(self, stage: nn.Module):
+        self.params = list(stage.parameters())
+        self.forwards, self.inputs, self.passes = 0, [], []
+        self.handles = [stage.register_forward_pre_hook(self._pre),
+                        stage.register_forward_hook(self._post)]
+        self.handles += [p.register_hook(self._seen(("weight", k)))
+                         for k, p in enumerate(self.params)]
 
-    names = [k for k, v in (namespace or {}).items() if v is original]
-    torch.autograd.grad = grad
-    for k in names:
-        namespace[k] = grad
-    try:
-        yield calls
-    finally:
-        torch.autograd.grad = original
-        for k in names:
-            namespace[k] = original
+    def _seen(self, what: Any) -> Callable:
+        def hook(grad: torch.Tensor) -> None:
+            if self.passes:
+                self.passes[-1].add(what)
+        return hook
+
+    def _pre(self, module: nn.Module, args: tuple) -> None:
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            self.inputs.append(x)
+            self.handles.append(x.register_hook(self._seen("input")))
+
+    def _post(self, module: nn.Module, args: tuple, out: Any) -> None:
+        self.forwards += 1
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            self.handles.append(out.register_hook(lambda grad: self.passes.append(set())))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 def _stages() -> Iterator[nn.Module]:
@@ -124,11 +149,30 @@ def _stages() -> Iterator[nn.Module]:
                         nn.ReLU(), nn.Linear(3, 3))
 
 
-def check_input_then_weight(input_then_weight: Callable, namespace: Namespace = None
-                            ) -> None:
-    """Exercise 2b.3: I then W by hand: the input gradient first (no weight in that call),
-    then the weight gradients from the same graph (no second forward), nothing left in
-    ``.grad``, and both equal to autograd's full backward."""
+def _answer_problem(answer: Any, x: torch.Tensor, params: list[nn.Parameter]) -> str:
+    """What makes ``answer`` no (input gradient, weight gradients) pair; "" if it is one."""
+    if not (isinstance(answer, (tuple, list)) and len(answer) == 2):
+        return (f"return a pair (input gradient, list of weight gradients), got "
+                f"{type(answer).__name__}")
+    grad_x, grad_w = answer
+    if not (isinstance(grad_x, torch.Tensor) and grad_x.shape == x.shape):
+        return (f"the input gradient must be a tensor of the input's shape {list(x.shape)}, "
+                f"got {grad_x!r}"[:300])
+    if not (isinstance(grad_w, (tuple, list)) and len(grad_w) == len(params) and all(
+            isinstance(g, torch.Tensor) and g.shape == p.shape for g, p in zip(grad_w, params))):
+        return (f"the weight gradients must be a list of {len(params)} tensors, one per "
+                f"stage.parameters() in that order, each of its parameter's shape")
+    return ""
+
+
+@ignores_namespace(1)
+def check_input_then_weight(input_then_weight: Callable) -> None:
+    """Exercise 2b.3: I then W by hand: a first backward pass that computes the input's
+    gradient and no weight's, then passes from the same graph (no second forward) that
+    compute every weight's gradient and not the input's again, nothing left in ``.grad``,
+    and both results equal to autograd's full backward. How the passes are started is
+    free (``torch.autograd.grad(y, ..., g)``, ``(y * g).sum()``...): autograd hooks see
+    what each pass computes."""
     for stage in _stages():
         reference = copy.deepcopy(stage)
         x = torch.randn(5, stage[0].in_features)
@@ -136,41 +180,40 @@ def check_input_then_weight(input_then_weight: Callable, namespace: Namespace = 
         xr = x.clone().requires_grad_()
         expected = torch.autograd.grad(reference(xr), [xr, *reference.parameters()], g)
         params = list(stage.parameters())
-        forwards = []
-        hook = stage.register_forward_hook(lambda module, args, out: forwards.append(out))
+        watch = _Watch(stage)
         try:
-            with _watched_grad(namespace) as calls, \
-                    withheld("pipeline_lib.split_backward", namespace=namespace):
+            with withheld("pipeline_lib.split_backward"):
                 answer = input_then_weight(stage, x, g)
         finally:
-            hook.remove()
-        _require(all(p.grad is None for p in params) and x.grad is None,
+            watch.remove()
+        _require(all(p.grad is None for p in params) and x.grad is None
+                 and all(t.grad is None for t in watch.inputs),
                  "after your function some `.grad` is filled: compute the gradients with "
                  "torch.autograd.grad, which returns them, not with .backward()")
-        _require(len(forwards) == 1, f"your function ran the stage's forward {len(forwards)} "
-                                     f"times; run it once and compute I and W from that graph")
-        is_param = [[any(t is p for p in params) for t in inputs] for _, inputs in calls]
-        _require(len(calls) >= 2,
-                 f"your function called torch.autograd.grad {len(calls)} time(s): I is one "
-                 f"call (the input's gradient only), W a later one (the weights')")
-        _require(not any(is_param[0]),
-                 "your first torch.autograd.grad call asks for weight gradients: I asks for "
-                 "the input's gradient only, so that it can be sent on at once")
-        later = [t for flags, (_, inputs) in zip(is_param[1:], calls[1:]) for t, f in
-                 zip(inputs, flags) if f]
-        _require(all(all(flags) for flags in is_param[1:]) and
-                 {id(p) for p in later} == {id(p) for p in params},
-                 "after I, torch.autograd.grad must be asked for the weights' gradients, all "
-                 "of them and nothing else")
-        _require(all(any(o is forwards[0] for o in outputs) for outputs, _ in calls),
-                 "every torch.autograd.grad call must start from the stage's output of its "
-                 "one forward (keep that graph for W: retain_graph=True in I)")
+        _require(watch.forwards == 1, f"your function ran the stage's forward "
+                                      f"{watch.forwards} times; run it once and compute I "
+                                      f"and W from that graph")
+        _require(len(watch.passes) >= 2,
+                 f"your function ran {len(watch.passes)} backward pass(es) through the "
+                 f"stage's output: I is one (the input's gradient only), W a later one (the "
+                 f"weights')")
+        first, later = watch.passes[0], set().union(*watch.passes[1:])
+        _require(not any(what != "input" for what in first),
+                 "your first backward pass computes weight gradients: I asks for the "
+                 "input's gradient only, so that it can be sent on at once")
+        _require("input" in first, "your first backward pass does not compute the input's "
+                                   "gradient: I comes first")
+        _require("input" not in later,
+                 "a later backward pass computes the input's gradient again: W asks for the "
+                 "weights' gradients only (I already has the input's)")
+        _require(later == {("weight", k) for k in range(len(params))},
+                 "after I, the passes must compute every weight's gradient (all of "
+                 "stage.parameters())")
+        problem = _answer_problem(answer, x, params)
+        _require(not problem, problem)
         grad_x, grad_w = answer
-        _require(isinstance(grad_x, torch.Tensor) and grad_x.shape == x.shape
-                 and torch.allclose(grad_x, expected[0], atol=1e-6),
+        _require(torch.allclose(grad_x, expected[0], atol=1e-6),
                  "the input gradient differs from autograd's full backward")
-        grad_w = list(grad_w)
-        _require(len(grad_w) == len(params) and all(
-            torch.allclose(a, b, atol=1e-6) for a, b in zip(grad_w, expected[1:])),
-            "the weight gradients differ from autograd's full backward (one per "
-            "stage.parameters(), in that order)")
+        _require(all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grad_w, expected[1:])),
+                 "the weight gradients differ from autograd's full backward (one per "
+                 "stage.parameters(), in that order)")

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from pipeline_lib.course.exercises import ExerciseFailed, withheld
+from pipeline_lib.course.exercises import (ExerciseFailed, hidden_cases, ignores_namespace,
+                                           withheld)
 from pipeline_lib.lm.data import get_batch
 from pipeline_lib.lm.loops import evaluate, lm_loss
 from pipeline_lib.partition import (balance_by_memory, balance_by_params, balance_by_time,
@@ -88,41 +89,60 @@ def _compare(balance: list[int], costs: Sequence[float], best: list[int], case: 
             f"layer a stage of its own, can miss the best cut")
 
 
+def _costs(layers: int, most: int) -> Callable[[Any], tuple[tuple[float, ...], int]]:
+    """Draws (whole-number layer costs, stages) for a hidden case of ``layers`` layers."""
+    return lambda rng: (tuple(float(rng.randint(1, 9)) for _ in range(layers)),
+                        rng.randint(2, most))
+
+
+@ignores_namespace(3)
 def check_fastest_balance(fastest_balance: Callable[[list[float], int], Any],
-                          measured: Mapping[str, Sequence[float]], stages: int,
-                          namespace: dict[str, Any] | None = None) -> None:
+                          measured: Mapping[str, Sequence[float]], stages: int) -> None:
     """Exercise 3.1: ``fastest_balance(costs, stages)`` minimises the slowest stage.
 
     ``measured`` maps a description to the notebook's measured layer times (seconds); they
     are checked for ``stages`` and 3 stages, within 5% (the learner may sum in another
     order; timings differ in their second digit anyway). `UNEVEN_COSTS` are checked for 3
-    stages exactly, and defeat the rules that pass on a decoder-dominated model.
+    stages exactly, and defeat the rules that pass on a decoder-dominated model; and so
+    are cost vectors drawn for this run (7 to 9 layers over 2 to 4 stages).
     """
     cases = [(f"{k} stages, times {which}", list(costs), k, 0.05, " s")
              for which, costs in measured.items() for k in sorted({stages, 3})]
     cases += [(f"3 stages, costs {list(costs)}", list(costs), 3, 1e-9, "")
               for costs in UNEVEN_COSTS]
+    cases += [(f"{k} stages, costs {list(costs)}", list(costs), k, 1e-9, "")
+              for layers in (7, 8, 9) for costs, k in hidden_cases(_costs(layers, 4), 1)]
     expected = [optimal_split(costs, k) for _, costs, k, _, _ in cases]   # before withheld
     for (case, costs, k, rel, unit), best in zip(cases, expected):
-        with withheld(*_ANSWERS, namespace=namespace):
+        with withheld(*_ANSWERS):
             answer = fastest_balance(list(costs), k)
         _compare(_checked_balance(answer, costs, k, case), costs, best, case, rel, unit)
 
 
+@ignores_namespace(4)
 def check_token_weighted_loss(token_weighted_loss: Callable[[Any, torch.Tensor, int], Any],
-                              model: torch.nn.Module, source: torch.Tensor, bptt: int,
-                              namespace: dict[str, Any] | None = None) -> None:
+                              model: torch.nn.Module, source: torch.Tensor, bptt: int) -> None:
     """Exercise 3.3: the mean loss per target token, on batches of uneven length.
 
     Takes the first ``2 * bptt + 6`` columns of ``source`` (batches of ``bptt``, ``bptt``
     and 5 positions), so that the mean of the batch means, the classic tutorial's formula
-    and a loop that drops the short batch all give other numbers. ``model`` runs in
-    evaluation mode (no dropout) and is left in the mode it came in.
+    and a loop that drops the short batch all give other numbers; then a window of columns
+    drawn for this run (another start, a short last batch of another length). ``model``
+    runs in evaluation mode (no dropout) and is left in the mode it came in.
     """
-    if source.size(1) < 2 * bptt + 6:
+    if source.size(1) < 4 * bptt + 2:
         raise ValueError(f"source has {source.size(1)} columns; the check needs at least "
-                         f"2 * bptt + 6 = {2 * bptt + 6}")
-    short = source[:, : 2 * bptt + 6]
+                         f"4 * bptt + 2 = {4 * bptt + 2}")
+    (start, length), = hidden_cases(
+        lambda rng: (rng.randint(1, source.size(1) - 3 * bptt - 1),
+                     2 * bptt + rng.randint(2, bptt - 1)), 1, shown=[(0, 2 * bptt + 6)])
+    for first, columns in [(0, 2 * bptt + 6), (start, length)]:
+        _check_token_weighted(token_weighted_loss, model,
+                              source[:, first:first + columns], bptt)
+
+
+def _check_token_weighted(token_weighted_loss: Callable[[Any, torch.Tensor, int], Any],
+                          model: torch.nn.Module, short: torch.Tensor, bptt: int) -> None:
     was_training = model.training
     model.eval()
     try:
@@ -130,7 +150,7 @@ def check_token_weighted_loss(token_weighted_loss: Callable[[Any, torch.Tensor, 
         with torch.no_grad():
             batches = [get_batch(short, i, bptt) for i in range(0, short.size(1) - 1, bptt)]
             batch_means = [lm_loss(model(x), y).item() for x, y in batches]
-        with withheld(evaluate, namespace=namespace):
+        with withheld(evaluate):
             mine = token_weighted_loss(model, short, bptt)
     finally:
         model.train(was_training)
@@ -154,9 +174,10 @@ def check_token_weighted_loss(token_weighted_loss: Callable[[Any, torch.Tensor, 
             f"times len(data), which is the number of rows here, divided by the length of the "
             f"split. Weigh each batch by how many target tokens it has")
     raise ExerciseFailed(
-        f"you returned {mine:.5f}; the mean over the {tokens} target tokens, in batches of "
-        f"{sizes} positions, is {expected:.5f}. Every batch counts (i up to "
-        f"source.size(1) - 1: the last column has no next word), each as much as its tokens")
+        f"you returned {mine:.5f}, {'more' if mine > expected else 'less'} than the mean over "
+        f"the {tokens} target tokens of {short.size(1)} columns, in batches of {sizes} "
+        f"positions. Every batch counts (i up to source.size(1) - 1: the last column has no "
+        f"next word), each as much as its tokens")
 
 
 @contextmanager
@@ -179,23 +200,26 @@ def _time_limit(seconds: float, message: str) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+@ignores_namespace(1)
 def check_partitioner(partition: Callable[[list[float], int], Any],
-                      namespace: dict[str, Any] | None = None, seconds: float = 10.0) -> None:
+                      seconds: float = 10.0) -> None:
     """Exercise 3.2: ``partition(costs, stages)`` is optimal on 50 layers over 8 stages.
 
     The reference is `optimal_split` (a dynamic program), computed before the learner's
     call; trying every balance would take C(49, 7) = 86 million of them, so the learner's
     function gets ``seconds`` per cost vector. Checked: `LONG_COSTS` over 8 stages (where
     greedy and "most even" rules lose, and the costs of the third are not whole numbers),
-    then the same costs over 2 and 49 stages (the edge cases of a search).
+    then the same costs over 2 and 49 stages (the edge cases of a search), then two vectors
+    of 50 whole-number costs drawn for this run, over 3 to 12 stages.
     """
     cases = [(list(costs), k) for costs in LONG_COSTS for k in (8, 2, 49)]
+    cases += [(list(costs), k) for costs, k in hidden_cases(_costs(50, 12), 2)]
     expected = [optimal_split(costs, k) for costs, k in cases]            # before withheld
     for (costs, k), best in zip(cases, expected):
         case = f"{len(costs)} layers over {k} stages, costs {costs}"
         slow = (f"{case}: your function ran longer than {seconds:g} s. Trying every balance "
                 f"means {math.comb(len(costs) - 1, k - 1):,} of them; find the smallest "
                 f"achievable slowest stage without listing them")
-        with withheld(*_ANSWERS, namespace=namespace), _time_limit(seconds, slow):
+        with withheld(*_ANSWERS), _time_limit(seconds, slow):
             answer = partition(list(costs), k)
         _compare(_checked_balance(answer, costs, k, case), costs, best, case, 1e-9, "")

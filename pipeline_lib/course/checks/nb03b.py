@@ -6,9 +6,11 @@ stash: a stash that detaches its tensor, or passes it some other way than ``stas
 ``pop``, leaves that layer's gradient or the output wrong. 3b.2 compares predicted running
 means with those a `Pipe` leaves, measured before the learner's call, on batches that
 `Pipe` splits unevenly (11 rows in 4 micro-batches: 3, 3, 3, 2), so that weighing
-micro-batches equally gives another number. Both `Pipe`s and both `DeferredBatchNorm`s
-(the classic API's is a subclass, a class of its own) are refused during the learner's
-call: running them is what the prediction must do without. A plain ``nn.BatchNorm1d`` is
+micro-batches equally gives another number, and on batches of sizes drawn for every run
+(no message prints the running means the pipeline leaves). Both `Pipe`s and both
+`DeferredBatchNorm`s (the classic API's is a subclass, a class of its own) are refused
+during the learner's call, however reached: running them is what the prediction must do
+without. A plain ``nn.BatchNorm1d`` is
 not: feeding it the rows each update sees is the prediction.
 """
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch
 from torch import nn
 
 from pipeline_lib.batchnorm import DeferredBatchNorm
-from pipeline_lib.course.exercises import ExerciseFailed, withheld
+from pipeline_lib.course.exercises import (ExerciseFailed, hidden_cases, ignores_namespace,
+                                           withheld)
 from pipeline_lib.microbatch import split
 from pipeline_lib.skip import Skippable
 from pipeline_lib.sync import Pipe as ClassicPipe
@@ -65,8 +68,10 @@ def check_skip_pair(stash_input: Callable[[nn.Module], nn.Module],
     layers = [before, start, nn.Tanh(), last, end]
     reference = _Residual(copy.deepcopy(before), copy.deepcopy(nn.Sequential(inner, nn.Tanh(),
                                                                               last)))
-    pipe = ClassicPipe(nn.Sequential(*layers), chunks=4)
-    x = torch.randn(12, WIDTH)
+    (rows, chunks), = hidden_cases(lambda rng: (rows := rng.randint(5, 16),
+                                                rng.randint(2, min(rows, 6))), 1)
+    pipe = ClassicPipe(nn.Sequential(*layers), chunks=chunks)
+    x = torch.randn(rows, WIDTH)
     output = pipe(x).local_value()
     expected = reference(x)
     if not torch.allclose(output, expected, atol=1e-5):
@@ -102,20 +107,28 @@ def running_means_after_a_step(x: torch.Tensor, chunks: int, momentum: float,
     return pipe.partitions[0][0].running_mean.clone()
 
 
-def check_running_means(predict: Callable[[torch.Tensor, int, float], Any],
-                        namespace: dict[str, Any] | None = None) -> None:
+def _batch(rng: Any) -> tuple[int, int, int, float]:
+    rows = rng.randint(5, 20)
+    return rows, rng.randint(1, 4), rng.randint(2, min(rows // 2, 6)), rng.choice([0.1, 0.2, 0.5])
+
+
+@ignores_namespace(1)
+def check_running_means(predict: Callable[[torch.Tensor, int, float], Any]) -> None:
     """Exercise 3b.2: ``predict(x, chunks, momentum)`` returns ``(plain, deferred)``, the
-    running means after one step with plain BatchNorm and with `DeferredBatchNorm`."""
+    running means after one step with plain BatchNorm and with `DeferredBatchNorm`, on the
+    notebook's two batches and on batches of sizes drawn for this run (where ``x.chunk``
+    and `split` need not agree)."""
     torch.manual_seed(0)
     cases = [(torch.randn(11, 3) * 2 + torch.tensor([1.0, -3.0, 0.5]), 4, 0.1),
              (torch.randn(8, 2) + 4, 3, 0.3)]
+    cases += [(torch.randn(rows, features) * 3 + 1, chunks, momentum)
+              for rows, features, chunks, momentum in hidden_cases(_batch, 2)]
     expected = [(running_means_after_a_step(x, m, p, False),
                  running_means_after_a_step(x, m, p, True)) for x, m, p in cases]
     for (x, chunks, momentum), (plain, deferred) in zip(cases, expected):
         sizes = [len(c) for c in split(x, chunks)]
         case = f"{len(x)} rows in micro-batches of {sizes}, momentum {momentum}"
-        with withheld(Pipe, ClassicPipe, DeferredBatchNorm, ClassicDeferredBatchNorm,
-                      namespace=namespace):
+        with withheld(Pipe, ClassicPipe, DeferredBatchNorm, ClassicDeferredBatchNorm):
             answer = predict(x.clone(), chunks, momentum)
         if not (isinstance(answer, tuple) and len(answer) == 2
                 and all(isinstance(a, torch.Tensor) for a in answer)):
@@ -131,5 +144,5 @@ def check_running_means(predict: Callable[[torch.Tensor, int, float], Any],
                  "rows together, as the model without a pipeline would")]:
             if mine.shape != right.shape or not torch.allclose(mine.float(), right, atol=1e-5):
                 raise ExerciseFailed(f"{case}: your running mean for {name} is "
-                                     f"{mine.tolist()}, the pipeline leaves {right.tolist()}; "
+                                     f"{mine.tolist()}, not the one the pipeline leaves; "
                                      f"{how}")

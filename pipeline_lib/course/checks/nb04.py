@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pipeline_lib.course.exercises import ExerciseFailed, withheld
+from pipeline_lib.course.exercises import (ExerciseFailed, hidden_cases, ignores_namespace,
+                                           withheld)
 from pipeline_lib.lm.loops import lm_loss
 from pipeline_lib.lm.model import transformer_lm
 
@@ -82,19 +83,27 @@ def _withheld_4_1() -> list[Any]:
             data_parallel.data_parallel_step]
 
 
-def check_4_1(scattered_chunked_loss: Callable[..., Any],
-              namespace: dict[str, Any] | None = None) -> None:
+@ignores_namespace(1)
+def check_4_1(scattered_chunked_loss: Callable[..., Any]) -> None:
     """Exercise 4.1: the loss, the gradient reaching ``features`` and the generator's
     gradients equal the plain loss's; every generator call ran on one device's replica,
     with at most that device's rows and ``chunk`` positions, ceil(positions / chunk) calls
     per device, each chunk backpropagated before the next was projected; and the backward
-    ran once through what computed ``features`` (a stand-in for the decoder)."""
-    torch.manual_seed(0)
-    rows, positions, width, vocab = 5, 7, 16, 50
-    features, target = torch.randn(rows, positions, width), torch.randint(0, vocab, (rows, positions))
-    start_generator = RecordingLinear(width, vocab)
-    for devices, chunk in [(["cpu"] * 2, 3), (["cpu"] * 3, 2)]:
-        setup = f"{len(devices)} devices, chunks of {chunk}"
+    ran once through what computed ``features`` (a stand-in for the decoder). On the
+    notebook's batch of 5 rows × 7 positions, and on a batch, devices and chunk drawn for
+    this run."""
+    shown = [(5, 7, 2, 3), (5, 7, 3, 2)]
+    drawn = hidden_cases(lambda rng: (rows := rng.randint(3, 8), rng.randint(4, 11),
+                                      rng.randint(2, min(rows, 4)), rng.randint(2, 5)), 1,
+                         shown=shown)
+    width, vocab = 16, 50
+    for rows, positions, count, chunk in shown + drawn:
+        torch.manual_seed(rows * 100 + positions)
+        features = torch.randn(rows, positions, width)
+        target = torch.randint(0, vocab, (rows, positions))
+        start_generator = RecordingLinear(width, vocab)
+        devices = ["cpu"] * count
+        setup = f"{rows} rows × {positions} positions on {count} devices, chunks of {chunk}"
         plain_out, plain = features.clone().requires_grad_(), copy.deepcopy(start_generator)
         expected = F.cross_entropy(plain(plain_out).flatten(0, 1), target.flatten())
         expected.backward()
@@ -103,8 +112,13 @@ def check_4_1(scattered_chunked_loss: Callable[..., Any],
         leaf, generator, body = (features.clone().requires_grad_(),
                                  copy.deepcopy(start_generator), [])
         mine = _CountedBody.apply(leaf, body)      # the decoder output, as in a real model
-        with withheld(*_withheld_4_1(), namespace=namespace):
-            loss = float(scattered_chunked_loss(mine, generator, target, devices, chunk))
+        with withheld(*_withheld_4_1()):
+            loss = scattered_chunked_loss(mine, generator, target, devices, chunk)
+        _require(isinstance(loss, (float, int, Tensor)) and not isinstance(loss, bool)
+                 and (not isinstance(loss, Tensor) or loss.numel() == 1),
+                 f"{setup}: return the loss as a number (or a one-element tensor), got "
+                 f"{loss!r}"[:300])
+        loss = float(loss)
         calls = list(start_generator.calls)
         _check_calls(calls, id(generator), rows, positions, len(devices), chunk, setup)
         _check_order(list(start_generator.order), setup)
@@ -191,42 +205,48 @@ def _check_loss_4_1(loss: float, expected: float, features: Tensor, target: Tens
     mistake = [name for name, value in unweighted.items() if abs(loss - value) < 1e-4]
     why = (f"That is the average of {mistake[0]} own mean loss, so a device or chunk with "
            f"fewer tokens counts as much as a full one. " if mistake else "")
-    ratio = loss / expected
-    times = f" (yours is {ratio:.2f} times that)" if abs(ratio - 1) > 0.05 else ""
     _require(abs(loss - expected) < 1e-4,
-             f"{setup}: your loss is {loss:.5f}, the batch's mean cross-entropy is "
-             f"{expected:.5f}{times}. {why}Divide each chunk's summed token losses by the "
-             f"whole batch's token count ({target.numel()}) and add them all up")
+             f"{setup}: your loss is {loss:.5f}, {loss / expected:.3g} times the batch's mean "
+             f"cross-entropy. {why}Divide each chunk's summed token losses by the whole "
+             f"batch's token count ({target.numel()}) and add them all up")
 
 
 # -- 4.2: DDP's gradient averaging -------------------------------------------------------------
 
-def check_4_2(average_gradients: Callable[[list[nn.Module]], None],
-              namespace: dict[str, Any] | None = None) -> None:
+@ignores_namespace(1)
+def check_4_2(average_gradients: Callable[[list[nn.Module]], None]) -> None:
     """Exercise 4.2: after the learner's averaging, every replica holds its own copy of
-    the mean gradient, which equals one model's on the whole batch."""
+    the mean gradient, which equals one model's on the whole batch: with 3 replicas, and
+    with a number of replicas drawn for this run."""
+    for count in [3] + hidden_cases(lambda rng: rng.randint(2, 5), 1, shown=[3]):
+        _check_average(average_gradients, count)
+
+
+def _check_average(average_gradients: Callable[[list[nn.Module]], None], count: int) -> None:
     from pipeline_lib.course.data_parallel import reduce_gradients, replicate
-    torch.manual_seed(0)
+    torch.manual_seed(count)
     tiny = transformer_lm(vocab_size=40, d_model=16, nhead=2, d_hid=32, nlayers=1, dropout=0.0)
-    tokens, next_tokens = torch.randint(0, 40, (2, 6, 5))   # 6 rows, 2 per replica
+    tokens, next_tokens = torch.randint(0, 40, (2, 2 * count, 5))   # 2 rows per replica
     one_model = copy.deepcopy(tiny)
     lm_loss(one_model(tokens), next_tokens).backward()
-    replicas = replicate(tiny, ["cpu"] * 3)
-    for replica, rows, targets in zip(replicas, tokens.chunk(3), next_tokens.chunk(3)):
+    replicas = replicate(tiny, ["cpu"] * count)
+    for replica, rows, targets in zip(replicas, tokens.chunk(count), next_tokens.chunk(count)):
         lm_loss(replica(rows), targets).backward()
-    with withheld(reduce_gradients, namespace=namespace):
+    with withheld(reduce_gradients):
         average_gradients(replicas)
     for name, expected in one_model.named_parameters():
         grads = [dict(r.named_parameters())[name].grad for r in replicas]
         _require(all(g is not None for g in grads),
                  f"{name}: a replica's .grad is None; every replica must keep a gradient")
         differ = [k for k, g in enumerate(grads) if not torch.equal(g, grads[0])]
-        _require(not differ, f"{name}: replicas {differ} end with a different gradient from "
-                             f"replica 0; the all-reduce leaves the same mean in every replica")
+        _require(not differ, f"{count} replicas, {name}: replicas {differ} end with a "
+                             f"different gradient from replica 0; the all-reduce leaves the "
+                             f"same mean in every replica")
         ratio = (grads[0].norm() / expected.grad.norm()).item()
         _require(torch.allclose(grads[0], expected.grad, rtol=1e-4, atol=1e-6),
-                 f"{name}: the replicas' gradient is {ratio:.2f} times one model's on the "
-                 f"whole batch (norms); each replica's loss is already a mean over its rows, "
+                 f"{count} replicas, {name}: the replicas' gradient is {ratio:.2f} times "
+                 f"one model's on the whole batch (norms); each replica's loss is already a "
+                 f"mean over its rows, "
                  f"so the replicas' gradients are averaged (divided by {len(replicas)}), "
                  f"not summed")
         _require(len({g.data_ptr() for g in grads}) == len(grads),
@@ -275,60 +295,74 @@ def vocab_shards(decoder: nn.Linear, sizes: list[int]) -> list[nn.Linear]:
     return shards
 
 
-def check_4_3(vocab_parallel_cross_entropy: Callable[..., Tensor],
-              namespace: dict[str, Any] | None = None) -> None:
+@ignores_namespace(1)
+def check_4_3(vocab_parallel_cross_entropy: Callable[..., Tensor]) -> None:
     """Exercise 4.3: the loss and every gradient equal ``F.cross_entropy`` on the whole
     decoder's logits, for moderate logits and for logits too large for ``exp`` in float32;
-    and no tensor as large as the whole logits is ever made, forward or backward."""
-    tokens, width, sizes = 24, 8, [23, 27]     # width < tokens: only logits reach tokens × V
+    and no tensor as large as the whole logits is ever made, forward or backward. On the
+    notebook's two shards of 23 and 27 ids, and on 2 to 4 shards of sizes drawn for this
+    run."""
+    shown = [(23, 27)]
+    drawn = hidden_cases(lambda rng: tuple(rng.randint(5, 30) for _ in range(rng.randint(2, 4))),
+                         1, shown=shown)
+    for sizes in shown + drawn:
+        for scale, what in [(1.0, "moderate logits"), (1000.0, "logits in the thousands")]:
+            _check_vocab_parallel(vocab_parallel_cross_entropy, list(sizes), scale,
+                                  f"{len(sizes)} shards of {list(sizes)} ids, {what}")
+
+
+def _check_vocab_parallel(vocab_parallel_cross_entropy: Callable[..., Tensor],
+                          sizes: list[int], scale: float, what: str) -> None:
+    tokens, width = 24, 8                      # width < tokens: only logits reach tokens × V
     vocab = sum(sizes)
-    for scale, what in [(1.0, "moderate logits"), (1000.0, "logits in the thousands")]:
-        torch.manual_seed(1)
-        decoder = nn.Linear(width, vocab)
-        with torch.no_grad():
-            decoder.weight.mul_(scale)
-        features = torch.randn(tokens, width)
-        target = torch.randint(0, vocab, (tokens,))
-        target[:3] = torch.tensor([0, sizes[0] - 1, sizes[0]])   # both shards' edges
-        plain_in = features.clone().requires_grad_()
-        expected = F.cross_entropy(decoder(plain_in), target)
-        expected.backward()
-        mine = features.clone().requires_grad_()
-        shards = vocab_shards(decoder, sizes)
-        largest = LargestTensor()
-        with withheld(vocab_shards, namespace=namespace), largest:
-            loss = vocab_parallel_cross_entropy(mine, shards, target)
-            _require(isinstance(loss, Tensor) and loss.dim() == 0 and loss.requires_grad,
-                     f"return the mean loss as a 0-dim tensor still attached to the graph "
-                     f"(so that .backward() reaches the shards), got {loss!r}")
-            loss.backward()
-        full = tokens * vocab
-        _require(largest.numel < full,
-                 f"{what}: a tensor of shape {list(largest.shape)} ({largest.numel:,} "
-                 f"values) was made: as large as the whole logits [{tokens}, {vocab}]. Each "
-                 f"device may hold only its own shard's logits [{tokens}, {sizes[0]}] or "
-                 f"[{tokens}, {sizes[1]}]; combine per-token numbers ([{tokens}] each: a max, "
-                 f"a sum of exponentials, the target's logit) across the devices instead")
-        got = loss.item()
-        _require(math.isfinite(got),
-                 f"{what}: your loss is {got}: exp of a logit in the thousands overflows "
-                 f"(float32 above about 88, float64 above about 709). Subtract each token's largest logit over the whole vocabulary "
-                 f"(the max of the devices' maxima) before exp, and add it back after log")
-        _require(abs(got - expected.item()) <= 1e-4 * max(1.0, abs(expected.item())),
-                 f"{what}: your loss is {got:.5f}, F.cross_entropy on the whole logits gives "
-                 f"{expected.item():.5f}. Per token: log of the sum of exp over the whole "
-                 f"vocabulary (every device's sum, each taken after subtracting the same "
-                 f"global max) minus the target's logit, which only the device holding that "
-                 f"id has (at index target - that shard's first id)")
-        starts = [0, sizes[0]]
-        for k, shard in enumerate(shards):
-            for name in ("weight", "bias"):
-                grad = getattr(shard, name).grad
-                want = getattr(decoder, name).grad[starts[k]:starts[k] + sizes[k]]
-                _require(grad is not None and _close(grad, want),
-                         f"{what}: shard {k}'s {name} gradient differs from that slice of "
-                         f"the whole decoder's: build the loss from every shard's logits, "
-                         f"so the backward reaches each shard")
-        _require(mine.grad is not None and _close(mine.grad, plain_in.grad),
-                 f"{what}: the gradient of the features differs from F.cross_entropy's: "
-                 f"both shards' logits must stay in the graph")
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    torch.manual_seed(1)
+    decoder = nn.Linear(width, vocab)
+    with torch.no_grad():
+        decoder.weight.mul_(scale)
+    features = torch.randn(tokens, width)
+    target = torch.randint(0, vocab, (tokens,))
+    edges = sorted({0, vocab - 1, *starts, *(a - 1 for a in starts[1:])})[:tokens]
+    target[:len(edges)] = torch.tensor(edges)             # every shard's first and last id
+    plain_in = features.clone().requires_grad_()
+    expected = F.cross_entropy(decoder(plain_in), target)
+    expected.backward()
+    mine = features.clone().requires_grad_()
+    shards = vocab_shards(decoder, sizes)
+    largest = LargestTensor()
+    with withheld(vocab_shards), largest:
+        loss = vocab_parallel_cross_entropy(mine, shards, target)
+        _require(isinstance(loss, Tensor) and loss.dim() == 0 and loss.requires_grad,
+                 f"return the mean loss as a 0-dim tensor still attached to the graph "
+                 f"(so that .backward() reaches the shards), got {loss!r}"[:300])
+        loss.backward()
+    full = tokens * vocab
+    _require(largest.numel < full,
+             f"{what}: a tensor of shape {list(largest.shape)} ({largest.numel:,} "
+             f"values) was made: as large as the whole logits [{tokens}, {vocab}]. Each "
+             f"device may hold only its own shard's logits, [{tokens}, its ids]; combine "
+             f"per-token numbers ([{tokens}] each: a max, a sum of exponentials, the target's "
+             f"logit) across the devices instead")
+    got = loss.item()
+    _require(math.isfinite(got),
+             f"{what}: your loss is {got}: exp of a logit in the thousands overflows "
+             f"(float32 above about 88, float64 above about 709). Subtract each token's "
+             f"largest logit over the whole vocabulary (the max of the devices' maxima) "
+             f"before exp, and add it back after log")
+    _require(abs(got - expected.item()) <= 1e-4 * max(1.0, abs(expected.item())),
+             f"{what}: your loss is {got:.5f}, {'more' if got > expected.item() else 'less'} "
+             f"than F.cross_entropy on the whole logits gives. Per token: log of the sum of "
+             f"exp over the whole vocabulary (every device's sum, each taken after "
+             f"subtracting the same global max) minus the target's logit, which only the "
+             f"device holding that id has (at index target - that shard's first id)")
+    for k, shard in enumerate(shards):
+        for name in ("weight", "bias"):
+            grad = getattr(shard, name).grad
+            want = getattr(decoder, name).grad[starts[k]:starts[k] + sizes[k]]
+            _require(grad is not None and _close(grad, want),
+                     f"{what}: shard {k}'s {name} gradient differs from that slice of "
+                     f"the whole decoder's: build the loss from every shard's logits, "
+                     f"so the backward reaches each shard")
+    _require(mine.grad is not None and _close(mine.grad, plain_in.grad),
+             f"{what}: the gradient of the features differs from F.cross_entropy's: "
+             f"every shard's logits must stay in the graph")

@@ -9,18 +9,17 @@ exercise(...)`` prefixes the exercise's name.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
-from collections.abc import Callable, Iterator
-from unittest import mock
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from pipeline_lib.course.exercises import ExerciseFailed, withheld
+from pipeline_lib.course.exercises import (ExerciseFailed, hidden_cases, ignores_namespace,
+                                           withheld)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -127,14 +126,25 @@ def jobs_5_1() -> dict[str, tuple[float, float]]:
                 (ring * 100e6 * 4, 2 * 16 * 2048 * 1024 * 4)}
 
 
-def check_5_1(place_ranks: Callable[..., Any], namespace: dict[str, Any] | None = None) -> None:
-    """Exercise 5.1: for every job, a valid 2 × 2 grid that communicates no longer than
-    the cheapest one. The grader's cost model is withheld while ``place_ranks`` runs."""
+def _job(rng: Any) -> tuple[str, tuple[float, float]]:
+    """A job drawn for this run: bytes all-reduced and bytes through a boundary, their
+    ratio anywhere from 1/20 to 20."""
+    all_reduce = rng.randint(1, 400) * 1e7
+    return (f"a job drawn for this run", (all_reduce, all_reduce * 20 ** rng.uniform(-1, 1)))
+
+
+@ignores_namespace(1)
+def check_5_1(place_ranks: Callable[..., Any]) -> None:
+    """Exercise 5.1: for every job (the notebook's four, and three drawn for this run), a
+    valid 2 × 2 grid that communicates no longer than the cheapest one. The grader's cost
+    model is withheld while ``place_ranks`` runs; a message gives the learner's grid and
+    how much longer it communicates, not the cheapest grid."""
     cluster = CLUSTER_5_1
-    for job, (all_reduce, pipeline) in jobs_5_1().items():
+    jobs = list(jobs_5_1().items()) + hidden_cases(_job, 3)
+    for job, (all_reduce, pipeline) in jobs:
         best = cheapest_grid(cluster, 2, 2, all_reduce, pipeline)
         least = communication_seconds(cluster, best, all_reduce, pipeline)
-        with withheld(cheapest_grid, communication_seconds, namespace=namespace):
+        with withheld(cheapest_grid, communication_seconds):
             grid = place_ranks(all_reduce, pipeline, cluster.fast, cluster.slow)
         _require(isinstance(grid, (tuple, list)) and len(grid) == 2,
                  f"return a tuple (pipelines, dp_groups), got {grid!r}")
@@ -145,10 +155,9 @@ def check_5_1(place_ranks: Callable[..., Any], namespace: dict[str, Any] | None 
                  f"{job} ({all_reduce / 1e6:,.0f} MB all-reduced, {pipeline / 1e6:,.0f} MB "
                  f"through each pipeline boundary per step): pipelines {grid[0]} with DDP "
                  f"groups {grid[1]} communicate {sum(mine) * 1e3:.2f} ms per step "
-                 f"({mine[0] * 1e3:.2f} pipeline + {mine[1] * 1e3:.2f} all-reduce), pipelines "
-                 f"{best[0]} with DDP groups {best[1]} {sum(least) * 1e3:.2f} ms "
-                 f"({least[0] * 1e3:.2f} + {least[1] * 1e3:.2f}): compare the two grids' "
-                 f"seconds, bytes / bandwidth, rather than using a rule of thumb")
+                 f"({mine[0] * 1e3:.2f} pipeline + {mine[1] * 1e3:.2f} all-reduce), "
+                 f"{sum(mine) / sum(least):.2f} times what another grid takes: compare the "
+                 f"grids' seconds, bytes / bandwidth, rather than using a rule of thumb")
 
 
 # -- 5.2: bytes per step, counted --------------------------------------------------------------
@@ -173,26 +182,36 @@ def cases_5_2() -> dict[str, tuple[list[nn.Module], Tensor, int, list[int], list
             [10 * 40 + 40, 40 * 24 + 24, 24 * 3 + 3], [5 * 40, 5 * 24], 8)}
 
 
-def check_5_2(step_bytes: Callable[..., Any], namespace: dict[str, Any] | None = None) -> None:
+@ignores_namespace(1)
+def check_5_2(step_bytes: Callable[..., Any]) -> None:
     """Exercise 5.2: the bytes match the parameter counts and activation shapes, for
-    ``dp`` = 2 and 4, 4-byte and 8-byte values."""
+    ``dp`` = 2 and 4 and a ``dp`` drawn for this run, 4-byte and 8-byte values. A message
+    says how far off a count is, not the count."""
+    dps = [2, 4] + hidden_cases(lambda rng: rng.randint(3, 16), 1, shown=[2, 4])
     for name, (stages, micro, microbatches, params, widths, size) in cases_5_2().items():
-        for dp in (2, 4):
-            all_reduce, boundary = step_bytes(stages, micro, microbatches, dp)
+        for dp in dps:
+            answer = step_bytes(stages, micro, microbatches, dp)
+            _require(isinstance(answer, (tuple, list)) and len(answer) == 2
+                     and all(isinstance(part, (tuple, list)) for part in answer),
+                     f"return a pair (all_reduce, boundary) of lists, got {answer!r}"[:300])
+            all_reduce, boundary = answer
             _require(len(all_reduce) == len(stages) and len(boundary) == len(stages) - 1,
                      f"{name}: {len(stages)} stages have {len(stages)} all-reduces and "
                      f"{len(stages) - 1} boundaries, got {len(all_reduce)} and {len(boundary)}")
             for s, got in enumerate(all_reduce):
                 want = 2 * (dp - 1) / dp * params[s] * size
                 _require(math.isclose(got, want),
-                         f"{name}, dp = {dp}: all_reduce[{s}] is {got:,.0f} bytes, expected "
-                         f"{want:,.0f}: 2(dp − 1)/dp × {params[s]:,} gradients × {size} bytes")
+                         f"{name}, dp = {dp}: all_reduce[{s}] is {got:,.0f} bytes, "
+                         f"{got / want:.3g} times what each rank of a ring all-reduce sends: "
+                         f"2(dp − 1)/dp × the stage's gradients × their bytes each (these "
+                         f"are {size} bytes)")
             for s, got in enumerate(boundary):
                 want = 2 * microbatches * widths[s] * size
                 _require(math.isclose(got, want),
-                         f"{name}: boundary[{s}] is {got:,.0f} bytes, expected {want:,.0f}: "
-                         f"2 (forward and backward) × {microbatches} micro-batches × "
-                         f"{widths[s]:,} values × {size} bytes")
+                         f"{name}: boundary[{s}] is {got:,.0f} bytes, {got / want:.3g} times "
+                         f"what crosses it: 2 (forward and backward) × {microbatches} "
+                         f"micro-batches × the values of one activation × their bytes each "
+                         f"({size} bytes here)")
 
 
 # -- 5.3: global gradient clipping on a dp × pp mesh -------------------------------------------
@@ -217,46 +236,46 @@ def mesh_gradients(model: nn.Sequential, cuts: list[int], inputs: Tensor, target
 
 
 _TORCH_CLIPPING = ("clip_grad_norm_", "clip_grad_norm", "get_total_norm", "clip_grads_with_norm_")
+_TORCH_REASON = ("your code calls torch.nn.utils.{name}, which computes the whole model's norm "
+                 "in one process. Combine the ranks' own numbers instead, as the ranks of a "
+                 "mesh must")
 
 
-@contextlib.contextmanager
-def _torch_clipping_withheld(namespace: dict[str, Any] | None) -> Iterator[None]:
-    """PyTorch's own norm and clipping functions refuse to run in the block: called on the
-    gathered gradients, they would do the one-process computation the exercise replaces
-    by per-rank numbers combined across the pipeline. `withheld` covers names bound in
-    ``namespace``; the attributes of ``torch.nn.utils`` are patched here."""
-    from torch.nn.utils import clip_grad
-
-    def refusal(name: str) -> Callable[..., Any]:
-        def refuse(*args: Any, **kwargs: Any) -> Any:
-            raise ExerciseFailed(f"your code calls torch.nn.utils.{name}, which computes the "
-                                 f"whole model's norm in one process. Combine the ranks' "
-                                 f"own numbers instead, as the ranks of a mesh must")
-        return refuse
-
-    with contextlib.ExitStack() as stack:
-        functions = [getattr(torch.nn.utils, n) for n in _TORCH_CLIPPING
-                     if hasattr(torch.nn.utils, n)]
-        stack.enter_context(withheld(*functions, namespace=namespace))
-        for module in (torch.nn.utils, clip_grad):
-            for name in _TORCH_CLIPPING:
-                if hasattr(module, name):
-                    stack.enter_context(mock.patch.object(module, name, refusal(name)))
-        yield
+def _torch_clipping() -> list[Callable[..., Any]]:
+    """PyTorch's own norm and clipping functions: called on the gathered gradients, they
+    would do the one-process computation the exercise replaces by per-rank numbers
+    combined across the pipeline."""
+    return [getattr(torch.nn.utils, n) for n in _TORCH_CLIPPING if hasattr(torch.nn.utils, n)]
 
 
-def check_5_3(clip_global: Callable[..., Any], namespace: dict[str, Any] | None = None) -> None:
+def _mesh(rng: Any) -> tuple[int, tuple[int, ...]]:
+    """dp, and the cuts of the 7-layer MLP into 2 to 4 pipeline ranks, each with a Linear
+    (the even layers), for a drawn case."""
+    while True:
+        cuts = (0, *sorted(rng.sample(range(1, 7), rng.randint(1, 3))), 7)
+        if all(any(i % 2 == 0 for i in range(a, b)) for a, b in zip(cuts, cuts[1:])):
+            return rng.randint(2, 4), cuts
+
+
+@ignores_namespace(1)
+def check_5_3(clip_global: Callable[..., Any]) -> None:
     """Exercise 5.3: every replica's every stage ends with the gradient that
     ``torch.nn.utils.clip_grad_norm_`` leaves in the unpipelined model trained on the whole
     batch, and the returned norm is that model's, for a clip that bites and one that does
-    not. `pipeline_lib.grad_clip.clip_grad_norm_` and PyTorch's norm and clipping functions
-    are withheld."""
+    not; on 2 replicas × 3 uneven pipeline ranks, and on a mesh drawn for this run.
+    `pipeline_lib.grad_clip.clip_grad_norm_` and PyTorch's norm and clipping functions are
+    withheld."""
+    shown = [(2, (0, 2, 5, 7))]
+    for dp, cuts in shown + hidden_cases(_mesh, 1, shown=shown):
+        _check_clip(clip_global, dp, list(cuts))
+
+
+def _check_clip(clip_global: Callable[..., Any], dp: int, cuts: list[int]) -> None:
     from pipeline_lib import grad_clip
-    torch.manual_seed(0)
+    torch.manual_seed(dp * 10 + len(cuts))
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
                           nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
-    cuts, dp = [0, 2, 5, 7], 2                      # 3 pipeline ranks, uneven stages
-    inputs, targets = torch.randn(8, 6), torch.randn(8, 4) * 3
+    inputs, targets = torch.randn(4 * dp, 6), torch.randn(4 * dp, 4) * 3
     model.zero_grad(set_to_none=True)
     nn.functional.mse_loss(model(inputs), targets).backward()
     norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
@@ -266,11 +285,12 @@ def check_5_3(clip_global: Callable[..., Any], namespace: dict[str, Any] | None 
         expected_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
         expected = {n: p.grad.clone() for n, p in model.named_parameters()}
         grads = mesh_gradients(model, cuts, inputs, targets, dp)
-        setup = f"{dp} replicas × {len(cuts) - 1} pipeline ranks, max_norm {max_norm:.3f} ({what})"
-        with withheld(grad_clip.clip_grad_norm_, namespace=namespace), \
-                _torch_clipping_withheld(namespace):
+        setup = (f"{dp} replicas × {len(cuts) - 1} pipeline ranks (layers {cuts}), max_norm "
+                 f"{max_norm:.3f} ({what})")
+        with withheld(grad_clip.clip_grad_norm_), \
+                withheld(*_torch_clipping(), reason=_TORCH_REASON):
             got = clip_global(grads, max_norm)
-        _require(isinstance(got, (float, int, Tensor)),
+        _require(isinstance(got, (float, int, Tensor)) and not isinstance(got, bool),
                  f"{setup}: return the total norm before clipping, got {got!r}")
         got = float(got)
         for d, stages in enumerate(grads):
@@ -288,5 +308,5 @@ def check_5_3(clip_global: Callable[..., Any], namespace: dict[str, Any] | None 
                              f"then the square root), then the same factor "
                              f"min(1, max_norm / norm) on every rank of every replica")
         _require(math.isclose(got, expected_norm, rel_tol=1e-4),
-                 f"{setup}: you returned {got:.5f}, the whole model's gradient norm is "
-                 f"{expected_norm:.5f} (the norm of the averaged gradients, before clipping)")
+                 f"{setup}: you returned {got:.5f}, {got / expected_norm:.3g} times the whole "
+                 f"model's gradient norm (the norm of the averaged gradients, before clipping)")

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch import Tensor, nn
 
-from pipeline_lib.course.exercises import ExerciseFailed, withheld
+from pipeline_lib.course.exercises import ExerciseFailed, hidden_cases, withheld
 from pipeline_lib.course.pytorch_schedules import get_schedule_ops, pytorch_schedule
 from pipeline_lib.schedules import Schedule, ScheduleError, validate
 
@@ -429,18 +429,29 @@ def _lowered(name: str, ranks: int, microbatches: int, virtual: int) -> list[lis
             logger.setLevel(level)
 
 
+def _lowered_case(rng: Any) -> tuple[str, int, int, int]:
+    """A PyTorch schedule and a size it accepts, for a drawn case."""
+    name = rng.choice(["Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble",
+                       "DualPipeV"])
+    p = rng.randint(2, 4)
+    v = 2 if name in ("ZBVZeroBubble", "DualPipeV") else rng.randint(2, 3)
+    return name, p, p * v * rng.randint(1, 2) if name == "DualPipeV" else p * rng.randint(1, 3), v
+
+
 def check_from_lowered(from_lowered: Callable[..., Schedule],
                        namespace: dict[str, Any] | None = None) -> None:
     """Exercise 6.2: ``from_lowered(ops, microbatches, name)`` reads each case of
-    `LOWERED_CASES` as `pytorch_schedule` does (computed first), places the stages as it
-    does, and the result validates. ``namespace``: the notebook's globals, whose names for
-    `pytorch_schedule` are withheld too. ``name`` is only a label, and not PyTorch's class
-    name, so an answer must read ``ops``: asking PyTorch for the named schedule again
-    fails."""
+    `LOWERED_CASES`, and two cases drawn for this run, as `pytorch_schedule` does
+    (computed first), places the stages as it does, and the result validates. ``name`` is
+    only a label, and not PyTorch's class name, so an answer must read ``ops``: asking
+    PyTorch for the named schedule again fails. ``namespace`` is not needed any more (the
+    reader is refused however it is reached) and is ignored: notebook 06's check cell
+    still passes it."""
     cases = [(name, p, m, v, _lowered(name, p, m, v), pytorch_schedule(name, p, m, v))
-             for name, p, m, v in LOWERED_CASES]
+             for name, p, m, v in
+             [*LOWERED_CASES, *hidden_cases(_lowered_case, 2, shown=LOWERED_CASES)]]
     for name, p, m, v, ops, library in cases:
-        with withheld("pipeline_lib.course.pytorch_schedules", namespace=namespace):
+        with withheld("pipeline_lib.course.pytorch_schedules"):
             yours = from_lowered(ops, m, f"lowered {name}")
         _check(isinstance(yours, Schedule), f"return a Schedule, got {type(yours).__name__}")
         _check(yours.ranks == p, f"{name}: {yours.ranks} ranks in yours, {p} in the lowered "
@@ -497,11 +508,13 @@ def _groups_of(make_groups: Callable[..., Any], rank: int, pp: int, dp: int
 
 
 def check_groups(make_groups: Callable[..., Any]) -> None:
-    """Exercise 6.3: on each of `MESHES`, every rank's ``make_groups(rank, pp, dp)``
-    creates the same groups in the same order (``new_group`` is collective), and returns
-    ``(pipeline_group, data_group)``: the ranks of its replica's pipeline, rank
-    ``replica * pp + pipe_rank``, and the ranks that hold the same stage."""
-    for pp, dp in MESHES:
+    """Exercise 6.3: on each of `MESHES` and on two meshes drawn for this run, every
+    rank's ``make_groups(rank, pp, dp)`` creates the same groups in the same order
+    (``new_group`` is collective), and returns ``(pipeline_group, data_group)``: the ranks
+    of its replica's pipeline, rank ``replica * pp + pipe_rank``, and the ranks that hold
+    the same stage. A message gives the group the learner's rank got, not the right one."""
+    drawn = hidden_cases(lambda rng: (rng.randint(2, 5), rng.randint(2, 4)), 2, shown=MESHES)
+    for pp, dp in [*MESHES, *drawn]:
         calls = {rank: _groups_of(make_groups, rank, pp, dp) for rank in range(pp * dp)}
         created = {rank: c for rank, (c, _) in calls.items()}
         differ = [rank for rank in created if created[rank] != created[0]]
@@ -520,12 +533,13 @@ def check_groups(make_groups: Callable[..., Any]) -> None:
             pipe, data = returned
             _check(pipe.ranks == want_pipe,
                    f"pp={pp}, dp={dp}: rank {rank} (replica {replica}, pipe rank "
-                   f"{pipe_rank}) got the pipeline group {list(pipe.ranks)}; its pipeline is "
-                   f"ranks {list(want_pipe)} (global rank = replica × pp + pipe rank, "
+                   f"{pipe_rank}) got the pipeline group {list(pipe.ranks)}, not the ranks "
+                   f"of its replica's pipeline (global rank = replica × pp + pipe rank, "
                    f"pipeline neighbours adjacent)")
             _check(data.ranks == want_data,
-                   f"pp={pp}, dp={dp}: rank {rank} got the data-parallel group "
-                   f"{list(data.ranks)}; the ranks that hold its stage are {list(want_data)}")
+                   f"pp={pp}, dp={dp}: rank {rank} (replica {replica}, pipe rank "
+                   f"{pipe_rank}) got the data-parallel group {list(data.ranks)}, not the "
+                   f"ranks that hold its stage (the same pipe rank in every replica)")
 
 
 if __name__ == "__main__":       # torchrun -m pipeline_lib.course.checks.nb06 MODULE OUT

@@ -24,7 +24,7 @@ from dataclasses import replace
 from numbers import Real
 from typing import Any
 
-from pipeline_lib.course.exercises import ExerciseFailed, withheld
+from pipeline_lib.course.exercises import ExerciseFailed, ignores_namespace, withheld
 from pipeline_lib.plan import CLUSTERS, Cluster, Layout, Model, predict
 from pipeline_lib.plan.memory import (chunk_parameters, layer_activation_bytes,
                                       schedule_peaks, state_bytes)
@@ -173,19 +173,18 @@ def _how_far(mine: float, expected: float) -> str:
             "close, but not equal (count every term)")
 
 
+@ignores_namespace(1)
 def check_stage_memory(stage_memory: Callable[[Model, Layout], dict[str, float]],
-                       namespace: dict[str, Any] | None = None,
                        cluster: Cluster = A100, seed: int | None = None) -> None:
     """Exercise 7.1: ``stage_memory(model, layout)`` against the planner's count of stage 0
     on `STAGE_MEMORY_CASES` and three hidden cases (drawn with ``seed``, fresh each run
-    by default), with the planner withheld (``namespace``: the notebook's ``globals()``,
-    where ``from pipeline_lib.plan import predict`` bound a second name)."""
+    by default), with every function of the planner withheld."""
     rng = random.Random(seed)
     for model, layout in STAGE_MEMORY_CASES + hidden_stage_memory_cases(rng):
         case = _describe(model, layout)
         expected = expected_stage_memory(model, layout, cluster)
         slips = _activation_slips(model, layout, cluster)
-        with withheld("pipeline_lib.plan", namespace=namespace):
+        with withheld("pipeline_lib.plan"):
             mine = stage_memory(model, layout)
         _check(isinstance(mine, dict) and set(mine) == set(KEYS),
                f"return a dict with exactly the keys {sorted(KEYS)}, got {mine!r}")
@@ -196,7 +195,8 @@ def check_stage_memory(stage_memory: Callable[[Model, Layout], dict[str, float]]
         for key in KEYS[:3]:
             ratio = mine[key] / expected[key]
             _check(abs(ratio - 1) < 1e-6,
-                   f"{case}: your {key} are {float(mine[key]) / GiB:.3f} GiB, "
+                   f"{case}: your {key}{' states' if key == 'optimizer' else ''} are "
+                   f"{float(mine[key]) / GiB:.3f} GiB, "
                    f"{_how_far(mine[key], expected[key])}."
                    + _state_slip(key, ratio, params, embedding, layout))
         why = "".join(f" That is {text}." for value, text in slips
@@ -234,8 +234,8 @@ def hidden_faster_layout_case(rng: random.Random) -> tuple[str, Model, Layout]:
                     f"GPUs", model, layout)
 
 
+@ignores_namespace(1)
 def check_faster_layout(faster_layout: Callable[[Model, Cluster, Layout], Layout],
-                        namespace: dict[str, Any] | None = None,
                         cluster: Cluster = A100, seed: int | None = None) -> list[str]:
     """Exercise 7.2: ``faster_layout(model, cluster, published)`` on `FASTER_LAYOUT_CASES`
     and a hidden case (drawn with ``seed``, fresh each run by default) must return a
@@ -245,7 +245,7 @@ def check_faster_layout(faster_layout: Callable[[Model, Cluster, Layout], Layout
     hidden = hidden_faster_layout_case(random.Random(seed))
     for name, model, published in FASTER_LAYOUT_CASES + [hidden]:
         theirs = predict(model, cluster, published)
-        with withheld("pipeline_lib.plan.search", namespace=namespace):
+        with withheld("pipeline_lib.plan.search"):
             mine = faster_layout(model, cluster, published)
         _check(isinstance(mine, Layout), f"{name}: return a Layout, got {mine!r}")
         _check(mine.gpus == published.gpus,
