@@ -119,7 +119,7 @@ def _tensors(module: nn.Module) -> dict[str, Tensor]:
 
 
 def _is_split(pipe: DistributedPipe) -> bool:
-    """Whether this rank's stages hold parts of tensors (`DTensor`\ s: tensor
+    """Whether this rank's stages hold parts of tensors (`DTensor`s: tensor
     parallelism, FSDP), which every rank of a stage's group gathers together."""
     return any(isinstance(p, DTensor) for p in pipe.parameters())
 
@@ -140,8 +140,10 @@ def _joined(states: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _split(state: dict[str, Any]) -> list[dict[str, Any]]:
-    """The inverse of `_joined`."""
-    return [{key: value.chunk(3)[k] if isinstance(value, Tensor) and value.dim() else value
+    """The inverse of `_joined`: each projection its own copies (Adam counts a step
+    tensor up in place: one shared by three parameters would count three steps)."""
+    return [{key: (value.chunk(3)[k] if value.dim() else value).clone()
+             if isinstance(value, Tensor) else value
              for key, value in state.items()} for k in range(3)]
 
 
