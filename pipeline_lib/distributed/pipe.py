@@ -258,6 +258,8 @@ class DistributedPipe:
         If the step fails on any rank, every rank raises (the others once that rank's
         process has ended, as `job.process_group` ends it) and ``.grad`` is left as it was."""
         check_grad_mode("DistributedPipe.step")
+        if self.sequence_parallel:
+            check_sequence_splits(inputs, self.mesh.tp)
         schedule, mesh = self.schedule, self.mesh
         step_seed, key = self._agree(inputs, target)
         micro_in, micro_target, weights = split_batch(inputs, target, schedule.microbatches,
@@ -461,6 +463,18 @@ def check_data_layout(mesh: Mesh, sequence_parallel: bool, shard_parameters: boo
         raise ValueError("reshard_after_forward=False keeps gathered weights between "
                          "forward and backward, which only sharded weights have: it needs "
                          "shard_parameters=True")
+
+
+def check_sequence_splits(inputs: Any, tp: int) -> None:
+    """Refuse inputs whose positions (dimension 1 of ``[batch, sequence, ...]``) do not
+    split into ``tp`` equal shares, as sequence parallelism splits them (gloo's
+    reduce-scatter of unequal shares aborts the process instead of raising)."""
+    for leaf in tree.leaves(inputs):
+        if isinstance(leaf, Tensor) and leaf.dim() >= 2 and leaf.size(1) % tp:
+            raise ValueError(f"sequence parallelism gives each of the {tp} tensor-parallel "
+                             f"ranks an equal share of the positions, but the inputs "
+                             f"{list(leaf.shape)} have {leaf.size(1)} (dimension 1), which "
+                             f"does not divide by {tp}: use sequences whose length does")
 
 
 def check_runs_in_processes(module: nn.Sequential) -> None:
