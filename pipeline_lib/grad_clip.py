@@ -15,7 +15,7 @@ every replica finds the same norm. This relies on each parameter living on one r
 once per rank holding them.
 
 On a ``tp × pp × dp`` mesh with tensor-parallel stages or sharded replicas (FSDP), a
-rank holds parts of its weights' gradients (`DTensor`\ s: a slice per tp rank, a slice
+rank holds parts of its weights' gradients (`DTensor`s: a slice per tp rank, a slice
 per replica), and whole copies of others (a norm's weight, on every tp rank). Each rank
 sums ``|g|^p`` over its parts, each divided by the number of ranks holding that same
 part (its mesh's dimensions on which it is replicated), and one all-reduce over every

@@ -1,15 +1,20 @@
 """`DistributedPipe` on ``tp × pp × dp`` meshes computes what one process computes: each
-schedule family, the replicas as DDP or FSDP, with and without sequence parallelism and
-recompute; training goes on from a checkpoint on another tp, pp and dp; and the bytes
-each rank sends on each mesh dimension are the planner's (`plan.communication_bytes`),
-the differences named and counted.
+schedule family, the replicas as DDP or FSDP, with and without sequence parallelism,
+recompute and dropout; the gradient norm is clipped over all three dimensions; the
+training program (``lm.train --tp --sequence-parallel --fsdp``) trains and saves, and
+training goes on from its checkpoint on another tp, pp and dp; and the bytes each rank
+sends on each mesh dimension are the planner's (`plan.communication_bytes`), the
+differences named and counted.
 
 One torchrun job of 8 gloo processes (`three_d_worker.py`) runs every case; the tests
-compare each rank's records with this process."""
+compare each rank's records with this process. The training program's bad flags are
+refused before any process starts (no job)."""
 from __future__ import annotations
 
+import argparse
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,12 +25,13 @@ import torch
 import three_d_worker as worker
 from pipeline_lib import run_state
 from pipeline_lib.distributed.launch import kill_job
+from pipeline_lib.distributed.pipe import check_sequence_splits
+from pipeline_lib.lm import train
+from pipeline_lib.lm.data import get_batch
 from pipeline_lib.lm.loops import lm_loss
 from pipeline_lib.parallel import rank_order
-from pipeline_lib.parallel.block import shardable
-from pipeline_lib.plan import Cluster, Layout, Model, communication_bytes
-from pipeline_lib.plan.costs import chunk_layers
-from pipeline_lib.plan.memory import chunk_parameters
+from pipeline_lib.parallel.block import shardable, unpack_projections
+from pipeline_lib.plan import Cluster, Layout, Model, communication_bytes, executor_bytes
 from pipeline_lib.schedules import build, splits_backward, stages_per_rank
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,7 +50,8 @@ GLOO = Cluster("gloo processes", peak_flops=1e11, hbm_bytes=2**30, hbm_bandwidth
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory) -> tuple[Path, list[dict]]:
+def job(tmp_path_factory) -> tuple[Path, list[dict], str]:
+    """The job's folder, each rank's records, and what it printed."""
     out = tmp_path_factory.mktemp("three_d")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node", str(WORLD), str(REPO / "tests" / "three_d_worker.py"),
@@ -57,7 +64,7 @@ def job(tmp_path_factory) -> tuple[Path, list[dict]]:
     except subprocess.TimeoutExpired:
         pytest.fail(f"three_d_worker hung for 600 s:\n{kill_job(process)}")
     assert process.returncode == 0, output[-5000:]
-    return out, [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    return out, [torch.load(out / f"rank{r}.pt") for r in range(WORLD)], output
 
 
 def reference(k: int = 0) -> tuple[float, dict[str, torch.Tensor]]:
@@ -87,7 +94,7 @@ EQUIVALENCE = [c.name for c in worker.CASES if not c.resume and not c.dropout]
 
 @pytest.mark.parametrize("name", EQUIVALENCE)
 def test_each_layout_gives_one_process_loss_and_gradients(job, name):
-    _, records = job
+    _, records, _ = job
     loss, grads = reference()
     scale = max(float(g.abs().max()) for g in grads.values())
     for r, record in enumerate(records):
@@ -100,14 +107,32 @@ def test_each_layout_gives_one_process_loss_and_gradients(job, name):
 
 def test_ranks_sit_where_the_rank_order_puts_them(job):
     """Megatron-LM's order numbers tp fastest, then dp, then pp; Llama 3's tp, pp, dp."""
-    _, records = job
-    for name in ("gpipe", "1f1b sp", "resume pp 4", "resume tp 4", "resume tp 1 fsdp"):
+    _, records, _ = job
+    for name in ("1f1b fsdp sp", "resume tp 4", "resume pp 4 fsdp"):
         tp, pp, dp, order = CASES[name].mesh
         for r, record in enumerate(records):
             coords = rank_order.coordinates(r, order, {"tp": tp, "pp": pp, "dp": dp})
             assert record[name]["place"] == (coords["tp"], coords["pp"], coords["dp"])
-    assert [records[r]["gpipe"]["place"] for r in range(4)] == \
+    assert [records[r]["1f1b fsdp sp"]["place"] for r in range(4)] == \
         [(0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, 1)]
+    assert [records[r]["resume pp 4 fsdp"]["place"] for r in (1, 4)] == [(0, 1, 0), (0, 0, 1)]
+
+
+def test_the_norm_is_clipped_over_the_three_dimensions(job):
+    """FSDP shards, tensor parallelism splits, the pipeline places: the norm of every
+    rank's share together is the whole model's, and every share is scaled as
+    `torch.nn.utils.clip_grad_norm_` scales the whole model's gradients."""
+    _, records, _ = job
+    model = shardable(worker.tiny_lm())
+    lm_loss(model(worker.batch()[0]), worker.batch()[1]).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), worker.CLIP).item()
+    clipped = {n: p.grad for n, p in model.named_parameters()}
+    assert norm > 2 * worker.CLIP     # the clip bites
+    for r, record in enumerate(records):
+        got = record["1f1b fsdp sp"]
+        assert got["norm"] == pytest.approx(norm, rel=1e-5), f"rank {r}"
+        assert_grads(got["clipped"], clipped, f"rank {r}",
+                     max(float(g.abs().max()) for g in clipped.values()))
 
 
 def test_dropout_under_tensor_parallelism(job):
@@ -115,7 +140,7 @@ def test_dropout_under_tensor_parallelism(job):
     sharded regions' own streams included: the same gradients as without recompute);
     the masks do drop (gradients unlike the run without dropout); and every rank of a
     tensor-parallel group computes the same loss."""
-    _, records = job
+    _, records, _ = job
     _, plain = reference()
     scale = max(float(g.abs().max()) for g in plain.values())
     for r, record in enumerate(records):
@@ -128,54 +153,112 @@ def test_dropout_under_tensor_parallelism(job):
     assert len(losses) == 1
 
 
+def train_data() -> tuple[torch.Tensor, torch.Tensor]:
+    """The training program's first training and validation batches."""
+    data = argparse.Namespace(synthetic=worker.VOCAB, steps=1, bptt=worker.SEQ,
+                              batch=worker.ROWS, seed=0, eval_steps=1)
+    source, valid, _ = train._tokens(data, 0)
+    return get_batch(source, 0, worker.SEQ), get_batch(valid, 0, worker.SEQ)
+
+
 def two_steps() -> dict:
-    """One process: the clipped AdamW step of batch 0, then batch 1's loss, gradients,
-    norm, and the weights after its clipped update."""
+    """One process: the training program's step (its first batch, the clipped AdamW
+    update; its log's loss and the validation loss after), then the resumed step (batch
+    1): the loss, gradients, norm, and the weights after its clipped update."""
     model = shardable(worker.tiny_lm())
     optimizer = torch.optim.AdamW(model.parameters(), lr=worker.LR)
-    found = {}
-    for k in range(2):
+    (first, valid), found = train_data(), {}
+    for k, (inputs, target) in enumerate((first, worker.batch(1))):
         optimizer.zero_grad()
-        loss = lm_loss(model(worker.batch(k)[0]), worker.batch(k)[1])
+        loss = lm_loss(model(inputs), target)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), worker.CLIP).item()
         optimizer.step()
-        found[k] = dict(loss=loss.item(), grads=grads, norm=norm,
+        with torch.no_grad():
+            valid_loss = lm_loss(model(valid[0]), valid[1]).item()
+        found[k] = dict(loss=loss.item(), grads=grads, norm=norm, valid_loss=valid_loss,
                         weights={n: p.detach().clone() for n, p in model.named_parameters()},
-                        state=model.state_dict())
+                        state={n: t.clone() for n, t in model.state_dict().items()})
     return found
+
+
+def test_the_training_program_trains_on_three_dimensions(job):
+    """``lm.train --tp 2 --pp 2 --dp 2 --fsdp --sequence-parallel``: the loss it logs,
+    the gradient norm, the validation loss after the step, and the weights it saved are
+    one process's."""
+    out, _, output = job
+    want = two_steps()[0]
+    step = re.search(r"step +1  loss (\S+)  lr \S+  grad norm (\S+)", output)
+    valid = re.search(r"valid loss (\S+)", output)
+    assert step and valid, output[-3000:]
+    assert "2 pipeline ranks x 2 replicas x 2 tensor-parallel ranks, sequence parallel, " \
+        "FSDP" in output
+    assert float(step[1]) == pytest.approx(want["loss"], abs=6e-4)
+    assert float(step[2]) == pytest.approx(want["norm"], abs=6e-4)
+    assert float(valid[1]) == pytest.approx(want["valid_loss"], abs=6e-4)
+    merged = run_state.merged_state_dict(out / "checkpoint")   # the unpipelined names
+    assert merged.keys() == want["state"].keys()
+    split = lambda t: list(t.chunk(3))  # noqa: E731
+    assert_weights(unpack_projections(merged, split), unpack_projections(want["state"], split),
+                   "lm.train's checkpoint")
+
+
+def assert_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                   what: str) -> None:
+    """Weights after AdamW updates of lr = 0.01 equal within 1e-5: Adam divides each
+    gradient by its own root mean square, so a small gradient's rounding moves its
+    update by up to ~lr·1e-3. The key projection's bias is left out: its gradient is
+    zero in exact arithmetic, and Adam normalises the rounding noise into an update of
+    order lr."""
+    for n, w in got.items():
+        if not n.endswith("k_proj.bias"):
+            torch.testing.assert_close(w, want[n], rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"{what}: {n}: {m}")
 
 
 @pytest.mark.parametrize("name", [c.name for c in worker.CASES if c.resume])
 def test_training_goes_on_from_a_checkpoint_on_another_layout(job, name):
-    """Case "train" (2 × 2 × 2, FSDP, sequence parallel) clips the gradient norm over
-    all three dimensions and takes an AdamW step, and saves; the run resumes on another
-    tp, pp and dp (FSDP on or off), steps, clips and updates: the same loss, gradients,
-    norm and weights as one process's two steps. Adam's moments are restored: without
-    them the second update would differ (its bias correction and its normalisation).
-    The key projection's bias is left out of the weights: its gradient is zero in exact
-    arithmetic, and Adam normalises the rounding noise into an update of order lr."""
-    out, records = job
-    want = two_steps()
-    scale = max(float(g.abs().max()) for g in want[1]["grads"].values())
+    """The run resumes the training program's checkpoint (2 × 2 × 2, FSDP, sequence
+    parallel) on another tp, pp and dp (FSDP on or off), steps, clips and updates: the
+    same loss, gradients, norm and weights as one process's two steps. Adam's moments
+    are restored: without them the second update would differ (its bias correction and
+    its normalisation); so is their step count, one per parameter (the query, key and
+    value projections share one in the checkpoint)."""
+    _, records, _ = job
+    want = two_steps()[1]
+    scale = max(float(g.abs().max()) for g in want["grads"].values())
     for r, record in enumerate(records):
-        assert record["train"]["norm"] == pytest.approx(want[0]["norm"], rel=1e-5)
         got = record[name]
         assert got["done"] == 1
-        assert got["norm"] == pytest.approx(want[1]["norm"], rel=1e-5)
+        assert got["norm"] == pytest.approx(want["norm"], rel=1e-5)
         if got["loss"] is not None:
-            assert got["loss"] == pytest.approx(want[1]["loss"], rel=1e-5)
-        assert_grads(got["grads"], want[1]["grads"], f"{name}, rank {r}", scale)
-        for n, w in got["weights"].items():
-            if not n.endswith("k_proj.bias"):
-                torch.testing.assert_close(w, want[1]["weights"][n], rtol=1e-4, atol=1e-6,
-                                           msg=lambda m: f"{name}, rank {r}: {n}: {m}")
-    covered(records, name, want[1]["grads"])
-    merged = run_state.merged_state_dict(out / "checkpoint")   # the unpipelined names
-    assert merged.keys() == want[0]["state"].keys()
-    for n, w in merged.items():
-        torch.testing.assert_close(w, want[0]["state"][n], rtol=1e-5, atol=1e-6)
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert_grads(got["grads"], want["grads"], f"{name}, rank {r}", scale)
+        assert_weights(got["weights"], want["weights"], f"{name}, rank {r}")
+    covered(records, name, want["grads"])
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--sequence-parallel"], "--sequence-parallel splits each stage's positions over the "
+                              "tensor-parallel ranks: give --tp 2 or more"),
+    (["--tp", "2", "--sequence-parallel", "--bptt", "35"], "--bptt 35 does not divide by 2"),
+    (["--fsdp"], "--fsdp shards the weights over the data-parallel replicas: give --dp 2"),
+    (["--dp", "2", "--no-reshard-after-forward"], "choose what FSDP does with the weights "
+                                                  "it gathered: add --fsdp"),
+    (["--tp", "3"], "--tp 3 cannot split the cpu preset's 4 heads"),
+    (["--tp", "0"], "must be a whole number of at least 1, not '0': 1 keeps every layer whole"),
+])
+def test_the_training_programs_three_d_flags_are_checked(flags, says, capsys):
+    with pytest.raises(SystemExit):
+        train.main(flags)
+    assert says in capsys.readouterr().err
+
+
+def test_sequence_parallelism_refuses_positions_it_cannot_split():
+    check_sequence_splits(torch.zeros(2, 8, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match="have 7 \\(dimension 1\\), which does not divide by 2"):
+        check_sequence_splits((torch.zeros(2, 7),), 2)
 
 
 # -- the bytes, against the planner -------------------------------------------------------
@@ -193,89 +276,23 @@ def layout_of(case: worker.Case) -> Layout:
                   case.schedule else 1, sequence_parallel=case.sequence_parallel,
                   distributed_optimizer=sharded, shard_gradients=sharded,
                   shard_parameters=sharded,
-                  reshard_after_forward=case.data == "fsdp" and not split)
-
-
-def run_bytes(messages: list[tuple[str, str, int, int]]) -> dict[str, float]:
-    """Bytes this rank sent per dimension, as `Traffic.sent` counts them."""
-    share = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-             "reduce_scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0,
-             "receive": lambda n: 0.0}
-    sent = dict.fromkeys(("tp", "pp", "dp"), 0.0)
-    for dim, kind, size, ranks in messages:
-        if dim in sent:
-            sent[dim] += share[kind](ranks) * size
-    return sent
-
-
-def expected_bytes(case: worker.Case, pipe_rank: int) -> dict[str, float]:
-    """The planner's bytes for this pipe rank, plus what the run does differently (each
-    term named). With t tensor-parallel ranks, d replicas, m micro-batches of b rows, an
-    activation of A = 4·b·s·h bytes and ``one`` = (t − 1)/t · A:
-
-    tp: the vocabulary-parallel loss reduces three values per token (the logits' maximum,
-    the sum of their exponentials, the target's logit: 3 all-reduces of 4·b·s bytes per
-    micro-batch), which the planner leaves out. Under sequence parallelism, PyTorch's
-    plan keeps the gathered input of each column-parallel layer for its weight gradient,
-    where Megatron-LM (and the planner) gathers it again in the backward (2 fewer
-    all-gathers per block and micro-batch); the embedding's sum is an all-reduce, each
-    rank then keeping its positions (and all-gathering their gradient back), where
-    Megatron-LM reduce-scatters it (2 more halves per micro-batch); and the norms'
-    weights and biases get their gradients summed over the tp ranks once a step (4 h
-    values per block, all-reduced).
-
-    dp: the planner's ``layer_parameters() / t`` splits every parameter of a block over
-    the tp ranks; the norms' weights and biases and the row-parallel layers' biases
-    (6 h values per block) are whole on each tp rank; and the output projection's bias
-    (V / t per rank) is not in the planner's model. The replicas add up their losses on
-    the last stage (one 4-byte all-reduce). FSDP: the planner reduce-scatters sharded
-    gradients after every micro-batch's backward (ZeRO-2/3 as DeepSpeed runs them); PyTorch's
-    pipelining runtime, and this one, accumulate whole gradients through the step and
-    reduce-scatter once."""
-    layout = layout_of(case)
-    planned = communication_bytes(MODEL, GLOO, layout)[pipe_rank]
-    tp, pp, dp, _ = case.mesh
-    m, h, t, d = case.microbatches, MODEL.hidden, tp, dp
-    tokens = layout.micro_batch * MODEL.seq_len
-    one = (t - 1) / t * 4 * tokens * h
-    ring = {"all_reduce": lambda n, k: 2 * (k - 1) / k * n, "half": lambda n, k: (k - 1) / k * n}
-    schedule = build(case.schedule, pp, m, stages_per_rank(case.schedule))
-    layers = chunk_layers(MODEL, layout)
-    chunks = schedule.stages_on(pipe_rank)
-    blocks = sum(layers[c] for c in chunks)
-    has_loss, has_embedding = len(layers) - 1 in chunks, 0 in chunks
-    extra = dict.fromkeys(("tp", "pp", "dp"), 0.0)
-    if has_loss:
-        extra["tp"] += m * 3 * ring["all_reduce"](4 * tokens, t)
-    if case.sequence_parallel:
-        extra["tp"] += m * (2 * one * has_embedding - 2 * one * blocks)
-        extra["tp"] += ring["all_reduce"](4 * 4 * h * blocks, t)
-    planned_params = sum(chunk_parameters(MODEL, layout, layers)[c] for c in chunks)
-    whole_on_tp = 6 * h * (1 - 1 / t) * blocks + MODEL.vocab / t * has_loss
-    if d > 1:
-        extra["dp"] += ring["all_reduce"](4, d) * has_loss
-        if case.data == "ddp":
-            extra["dp"] += ring["all_reduce"](4 * whole_on_tp, d)
-        else:
-            gathers = 2 * m if layout.reshard_after_forward else 1
-            extra["dp"] += (gathers + 1) * ring["half"](4 * whole_on_tp, d)
-            extra["dp"] -= (m - 1) * ring["half"](4 * planned_params, d)
-    return {dim: planned[dim] + extra[dim] for dim in planned}
+                  reshard_after_forward=not sharded or (case.data == "fsdp" and not split))
 
 
 @pytest.mark.parametrize("name", [c.name for c in worker.CASES if c.traffic])
 def test_bytes_on_each_dimension_are_the_planners(job, name):
     """Each rank's bytes per mesh dimension in a steady step (the messages' layouts
     agreed in the step before) equal `plan.communication_bytes` for the case's Layout,
-    with the run's differences counted (`expected_bytes`). The model's sizes leave FSDP
-    nothing to pad (every dimension it shards divides by dp)."""
-    _, records = job
-    case = CASES[name]
+    with the executor's differences counted (`plan.communication.executor_bytes`). The
+    model's sizes leave FSDP nothing to pad (every dimension it shards divides by dp)."""
+    _, records, _ = job
+    layout = layout_of(CASES[name])
+    planned = communication_bytes(MODEL, GLOO, layout)
+    want = executor_bytes(MODEL, GLOO, layout)
     for r, record in enumerate(records):
         _, pipe_rank, _ = record[name]["place"]
-        got, want = run_bytes(record[name]["messages"]), expected_bytes(case, pipe_rank)
-        for dim in want:
-            assert math.isclose(got[dim], want[dim], rel_tol=1e-12), \
-                f"{name}, rank {r}, {dim}: counted {got[dim]:,.1f} bytes, expected " \
-                f"{want[dim]:,.1f} (the planner's {communication_bytes(MODEL, GLOO, layout_of(case))[pipe_rank][dim]:,.1f})"
-
+        for dim in ("tp", "pp", "dp"):
+            got = record[name]["sent"].get(dim, 0.0)
+            assert math.isclose(got, want[pipe_rank][dim], rel_tol=1e-12), \
+                f"{name}, rank {r}, {dim}: counted {got:,.1f} bytes, expected " \
+                f"{want[pipe_rank][dim]:,.1f} (the planner's {planned[pipe_rank][dim]:,.1f})"

@@ -2,19 +2,20 @@
 meshes, every case in one launch, each rank saving what it computed to
 ``OUT/rank{r}.pt``; the test compares it with one process.
 
-Meshes, in order (``init_mesh(pp, dp, order=..., tp=...)``): 2 × 2 × 2 in Megatron-LM's
-order ("tp-dp-pp") and in Llama 3's ("tp-pp-dp"), then 2 × 4 × 1, 4 × 2 × 1 and
-1 × 2 × 4. On each, the `CASES` whose ``mesh`` it is: a schedule of each family, the
-replicas as DDP (`replicate` under tensor parallelism) or FSDP (resharded after forward
-or not), with and without sequence parallelism and recompute. Each case runs two steps
-on one batch (the first agrees the messages' layouts) and saves the second's loss and
-gradients, whole, by the names of ``shardable(tiny_lm())``; cases with ``traffic`` also
-save its messages per mesh dimension (`parallel.traffic.Traffic`).
-
-Training across layouts: case "train" (2 × 2 × 2) takes a clipped AdamW step and saves a
-checkpoint (`run_state`); the "resume" cases of the later meshes (another tp, pp, dp,
-FSDP) resume from it, run the second batch's step, clip and update, and save the loss,
-the gradient norm and the weights after the update.
+First the training program, ``lm.train --tp 2 --pp 2 --dp 2 --fsdp --sequence-parallel``
+(`TRAIN_ARGS`, the model `tiny_lm`'s as a preset), one clipped AdamW step saved as a
+checkpoint in ``OUT/checkpoint``. Then the `CASES`, mesh by mesh (``init_mesh(pp, dp,
+order=..., tp=...)``): 2 × 2 × 2 in Megatron-LM's order ("tp-dp-pp"), a schedule of each
+family (1F1B, interleaved 1F1B, ZB-V), the replicas as DDP (`replicate` under tensor
+parallelism) or FSDP (resharded after forward or not), with and without sequence
+parallelism, recompute and dropout. Each runs one step on one batch and saves its loss
+and gradients, whole, by the names of ``shardable(tiny_lm())``; cases with ``traffic``
+run a step before (it agrees the messages' layouts) and save the counted step's
+messages per mesh dimension (`parallel.traffic.Traffic`); the case with ``clip`` clips
+the gradient norm over the three dimensions and saves the norm and the clipped
+gradients. The "resume" cases, on 4 × 2 × 1 and 1 × 4 × 2 in Llama 3's order
+("tp-pp-dp"), resume the training program's checkpoint, run the second batch's step,
+clip and update, and save the loss, the gradients, the norm and the weights after.
 """
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ from pipeline_lib import run_state
 from pipeline_lib.distributed import DistributedPipe, init_mesh, process_group
 from pipeline_lib.distributed.mesh import Mesh
 from pipeline_lib.grad_clip import clip_grad_norm_
+from pipeline_lib.lm import train
 from pipeline_lib.lm.loops import lm_loss
-from pipeline_lib.lm.model import transformer_lm
-from pipeline_lib.parallel.block import shardable
+from pipeline_lib.lm.model import PRESETS, transformer_lm
+from pipeline_lib.parallel.block import shardable, unpack_projections
 from pipeline_lib.parallel.traffic import Traffic
 from pipeline_lib.schedules import stages_per_rank
 
@@ -44,6 +46,13 @@ VOCAB, ROWS, SEQ, LAYERS = 64, 8, 8, 4   # embedding, 2 blocks, decoder
 MODEL = dict(d_model=16, nhead=4, d_hid=32, nlayers=LAYERS - 2)
 LR, CLIP, DROPOUT = 0.01, 0.05, 0.1
 MEGATRON, LLAMA3 = "tp-dp-pp", "tp-pp-dp"
+PRESET = "three-d"   # lm.train's model: tiny_lm's
+TRAIN_ARGS = ["--tp", "2", "--pp", "2", "--dp", "2", "--fsdp", "--sequence-parallel",
+              "--microbatches", "2", "--batch", str(ROWS), "--bptt", str(SEQ),
+              "--synthetic", str(VOCAB), "--preset", PRESET, "--balance", "params",
+              "--steps", "1", "--lr", str(LR), "--warmup", "0", "--lr-floor", "1",
+              "--clip", str(CLIP), "--eval-steps", "1", "--log-every", "1", "--seed", "0",
+              "--timeout", "120"]
 
 
 @dataclass(frozen=True)
@@ -56,8 +65,9 @@ class Case:
     checkpoint: str = "never"
     microbatches: int = 2
     traffic: bool = False               # two steps, the second's messages counted
+    clip: bool = False                  # the gradient norm clipped after the step
     dropout: float = 0.0
-    resume: bool = False                # resume "train"'s checkpoint, train one step
+    resume: bool = False                # resume lm.train's checkpoint, train one step
 
     @property
     def balance(self) -> list[int]:
@@ -65,25 +75,16 @@ class Case:
         return [LAYERS // stages] * stages
 
 
-CUBE, CUBE_LLAMA = (2, 2, 2, MEGATRON), (2, 2, 2, LLAMA3)
+CUBE = (2, 2, 2, MEGATRON)
 CASES = [
-    Case("gpipe", CUBE, "gpipe"),
-    Case("1f1b fsdp sp", CUBE, "1f1b", "fsdp", True, microbatches=4, traffic=True),
-    Case("1f1b fsdp-keep recompute", CUBE, "1f1b", "fsdp-keep", checkpoint="always"),
-    Case("1f1b", CUBE, "1f1b", microbatches=4, traffic=True),
-    Case("interleaved sp recompute", CUBE, "interleaved_1f1b", "ddp", True, "except_last"),
-    Case("zb_h1 fsdp", CUBE, "zb_h1", "fsdp", microbatches=4, traffic=True),
+    Case("1f1b fsdp sp", CUBE, "1f1b", "fsdp", True, microbatches=4, traffic=True,
+         clip=True),
+    Case("interleaved", CUBE, "interleaved_1f1b", microbatches=4, traffic=True),
     Case("zb_v fsdp-keep sp recompute", CUBE, "zb_v", "fsdp-keep", True, "always"),
-    Case("dualpipe_v", CUBE, "dualpipe_v", microbatches=4),
     Case("dropout", CUBE, "1f1b", "fsdp", True, dropout=DROPOUT),
     Case("dropout recompute", CUBE, "1f1b", "fsdp", True, "always", dropout=DROPOUT),
-    Case("train", CUBE, "1f1b", "fsdp", True),
-    Case("interleaved fsdp", CUBE_LLAMA, "interleaved_1f1b", "fsdp", microbatches=4,
-         traffic=True),
-    Case("1f1b sp", CUBE_LLAMA, "1f1b", "ddp", True, microbatches=4, traffic=True),
-    Case("resume pp 4", (2, 4, 1, LLAMA3), "1f1b", resume=True),
     Case("resume tp 4", (4, 2, 1, LLAMA3), "1f1b", sequence_parallel=True, resume=True),
-    Case("resume tp 1 fsdp", (1, 2, 4, LLAMA3), "1f1b", "fsdp", resume=True),
+    Case("resume pp 4 fsdp", (1, 4, 2, LLAMA3), "1f1b", "fsdp", resume=True),
 ]
 
 
@@ -107,7 +108,8 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 
 def named(pipe: DistributedPipe, balance: list[int], what: str) -> dict[str, torch.Tensor]:
     """This rank's stages' gradients (``what="grad"``) or weights, whole, by the names of
-    ``shardable(tiny_lm())``."""
+    ``shardable(tiny_lm())`` (a stage that tp = 1 leaves as it is has its attention's
+    projections packed: split here)."""
     starts = list(itertools.accumulate(balance, initial=0))
     found = {}
     for s, module in pipe.modules.items():
@@ -117,7 +119,7 @@ def named(pipe: DistributedPipe, balance: list[int], what: str) -> dict[str, tor
             if value is None:
                 raise RuntimeError(f"{name} of stage {s} has no gradient")
             found[f"{starts[s] + int(layer)}.{rest}"] = whole(value)
-    return found
+    return unpack_projections(found, lambda t: list(t.chunk(3)))
 
 
 def build(case: Case, mesh: Mesh) -> DistributedPipe:
@@ -149,13 +151,24 @@ def run_case(case: Case, mesh: Mesh, out: Path) -> dict[str, Any]:
     record = dict(loss=None if loss is None else loss.item(),
                   grads=named(pipe, case.balance, "grad"))
     if case.traffic:
-        record["messages"] = [(m.dim, m.kind, m.size, m.ranks) for m in traffic.messages]
-    if case.name == "train":
-        optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
+        record["sent"] = traffic.sent()
+    if case.clip:
         record["norm"] = clip_grad_norm_(pipe, CLIP).item()
-        optimizer.step()
-        run_state.save(out / "checkpoint", 1, pipe, case.balance, optimizer)
+        record["clipped"] = named(pipe, case.balance, "grad")
     return record | {"seconds": time.perf_counter() - start}
+
+
+def train_program(out: Path) -> float:
+    """``lm.train`` with `TRAIN_ARGS` in this job's process group, saving into
+    ``out/checkpoint``; its seconds."""
+    start = time.perf_counter()
+    PRESETS[PRESET] = {**MODEL, "dropout": 0.0}
+    joined, train.process_group = train.process_group, lambda timeout: contextlib.nullcontext()
+    try:
+        train.main(TRAIN_ARGS + ["--save", str(out / "checkpoint")])
+    finally:
+        train.process_group = joined
+    return time.perf_counter() - start
 
 
 def resume_case(case: Case, pipe: DistributedPipe, out: Path) -> dict[str, Any]:
@@ -172,11 +185,14 @@ def resume_case(case: Case, pipe: DistributedPipe, out: Path) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--cases", nargs="*", default=None, help="names (default: all)")
+    parser.add_argument("--cases", nargs="*", default=None,
+                        help="names, lm.train among them (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with process_group(timeout=120):
         records: dict[str, Any] = {}
+        if args.cases is None or "lm.train" in args.cases:
+            records["lm.train"] = {"seconds": train_program(args.out)}
         chosen = [c for c in CASES if args.cases is None or c.name in args.cases]
         for (tp, pp, dp, order), cases in itertools.groupby(chosen, key=lambda c: c.mesh):
             mesh = init_mesh(pp, dp, 60, order, tp=tp)

@@ -31,7 +31,7 @@ keeps them until `reduce_gradients` (one per step). The whole gradients accumula
 during the step either way: sharded memory holds between steps, not inside one (as in
 PyTorch's runtime).
 
-A tensor-parallel stage's weights are `DTensor`\ s, which ``DistributedDataParallel``
+A tensor-parallel stage's weights are `DTensor`s, which ``DistributedDataParallel``
 refuses ("mixed torch.Tensor and DTensor" when it builds its buckets). Its replicas use
 `replicate_stage` instead: PyTorch's ``replicate`` (``torch.distributed._composable.
 replicate_with_fsdp``, which PyTorch's pipelining runtime also drives), DDP's behaviour
@@ -80,7 +80,7 @@ def shard_stage(stage: nn.Sequential, mesh: DeviceMesh, reshard_after_forward: b
 
 def replicate_stage(stage: nn.Sequential, mesh: DeviceMesh,
                     mp_policy: MixedPrecisionPolicy | None = None) -> FSDPModule:
-    """DDP's data parallelism for a stage whose weights are `DTensor`\ s (tensor
+    """DDP's data parallelism for a stage whose weights are `DTensor`s (tensor
     parallel), which ``DistributedDataParallel`` refuses: PyTorch's ``replicate`` on
     FSDP's machinery, each layer a unit whose gradients are all-reduced over ``mesh``
     (averaged), the parameters whole on every replica. Driven like `shard_stage`'s
