@@ -15,8 +15,6 @@ import argparse
 import math
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,7 @@ import torch
 
 import three_d_worker as worker
 from pipeline_lib import run_state
-from pipeline_lib.distributed.launch import kill_job
+from pipeline_lib.distributed.launch import torchrun
 from pipeline_lib.distributed.pipe import check_sequence_splits
 from pipeline_lib.lm import train
 from pipeline_lib.lm.data import get_batch
@@ -53,17 +51,9 @@ GLOO = Cluster("gloo processes", peak_flops=1e11, hbm_bytes=2**30, hbm_bandwidth
 def job(tmp_path_factory) -> tuple[Path, list[dict], str]:
     """The job's folder, each rank's records, and what it printed."""
     out = tmp_path_factory.mktemp("three_d")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", str(WORLD), str(REPO / "tests" / "three_d_worker.py"),
-               "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env=env, cwd=REPO, start_new_session=True)
-    try:
-        output = process.communicate(timeout=600)[0]
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"three_d_worker hung for 600 s:\n{kill_job(process)}")
-    assert process.returncode == 0, output[-5000:]
+    with pytest.MonkeyPatch.context() as patch:   # the worker is a module of tests/
+        patch.setenv("PYTHONPATH", os.pathsep.join((str(REPO), str(REPO / "tests"))))
+        output = torchrun("three_d_worker", ["--out", out], nproc=WORLD, timeout=600)
     return out, [torch.load(out / f"rank{r}.pt") for r in range(WORLD)], output
 
 
