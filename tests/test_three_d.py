@@ -274,7 +274,9 @@ def test_bytes_on_each_dimension_are_the_planners(job, name):
     """Each rank's bytes per mesh dimension in a steady step (the messages' layouts
     agreed in the step before) equal `plan.communication_bytes` for the case's Layout,
     with the executor's differences counted (`plan.communication.executor_bytes`). The
-    model's sizes leave FSDP nothing to pad (every dimension it shards divides by dp)."""
+    model's sizes leave FSDP nothing to pad (every dimension it shards divides by dp).
+    (Notebook 08 counts DDP without sequence parallelism against the same function, and
+    bench/bench_three_d.py all four.)"""
     _, records, _ = job
     layout = layout_of(CASES[name])
     planned = communication_bytes(MODEL, GLOO, layout)

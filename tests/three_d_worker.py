@@ -77,9 +77,8 @@ class Case:
 
 CUBE = (2, 2, 2, MEGATRON)
 CASES = [
-    Case("1f1b fsdp sp", CUBE, "1f1b", "fsdp", True, microbatches=4, traffic=True,
-         clip=True),
-    Case("interleaved", CUBE, "interleaved_1f1b", microbatches=4, traffic=True),
+    Case("1f1b fsdp sp", CUBE, "1f1b", "fsdp", True, traffic=True, clip=True),
+    Case("interleaved", CUBE, "interleaved_1f1b", microbatches=4),
     Case("zb_v fsdp-keep sp recompute", CUBE, "zb_v", "fsdp-keep", True, "always"),
     Case("dropout", CUBE, "1f1b", "fsdp", True, dropout=DROPOUT),
     Case("dropout recompute", CUBE, "1f1b", "fsdp", True, "always", dropout=DROPOUT),
