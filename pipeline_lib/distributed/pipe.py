@@ -72,6 +72,23 @@ once all of its parameters' gradients are ready, so a parameter the forward neve
 would leave its bucket unreduced, each replica keeping its own gradients. The step checks
 it and names such parameters at once, before any optimizer step (freeze or remove them).
 
+Three dimensions
+----------------
+On a mesh with ``tp > 1`` (`mesh.init_mesh(..., tp=)`) each stage is laid out by
+`parallel.block.shardable` and split over its tensor-parallel group by PyTorch's plans
+(`parallel.tensor_parallel`): heads, MLP units and the vocabulary. Without
+``sequence_parallel`` a message between stages on different ranks leaves each tp rank
+as ``1/t`` of the activation and is all-gathered by the receiving group (Megatron-LM's
+scatter/gather, `parallel.boundaries`); with it, each tp rank sends its own positions.
+The logits stay split over the vocabulary: the loss runs under ``loss_parallel``, and
+the norms' gradients, partial sums per tp rank, are summed once a step. DDP refuses the
+split weights, so the replicas are ``replicate``, DDP's all-reduce on FSDP's machinery;
+``shard_parameters=True`` shards them instead (FSDP2, ``fully_shard`` per layer),
+resharded after each forward unless ``reshard_after_forward=False`` or the schedule
+splits its backward (W needs the weights I used). Either way gradients accumulate
+through the step and are reduced once, after the stage's last backward, as DDP's are
+(`parallel.fsdp`).
+
 Tied weights
 ------------
 Stages on one rank share one parameter, as a V schedule's first and last stage share tied
@@ -149,7 +166,9 @@ class DistributedPipe:
     (shapes, dtypes, and any value that is not a tensor) that step's gave, which holds
     unless a stage's output depends on its input's values (a layer that drops padding
     tokens, say); such a stage raises `p2p.ProtocolError` saying so, and runs with
-    ``post_early=False``.
+    ``post_early=False``. ``sequence_parallel``, ``shard_parameters`` and
+    ``reshard_after_forward`` choose how the stages use a ``tp × pp × dp`` mesh (see the
+    module docstring).
     """
 
     @renamed_keywords(chunks="microbatches")
