@@ -13,6 +13,14 @@ the time `DistributedPipe.step` returns, DDP has averaged the gradients over the
 every replica finds the same norm. This relies on each parameter living on one rank:
 `DistributedPipe` refuses weights tied across ranks, which would otherwise be counted
 once per rank holding them.
+
+On a ``tp × pp × dp`` mesh with tensor-parallel stages or sharded replicas (FSDP), a
+rank holds parts of its weights' gradients (`DTensor`s: a slice per tp rank, a slice
+per replica), and whole copies of others (a norm's weight, on every tp rank). Each rank
+sums ``|g|^p`` over its parts, each divided by the number of ranks holding that same
+part (its mesh's dimensions on which it is replicated), and one all-reduce over every
+rank of the job adds them up: each value of the model counted once, whichever
+dimensions split it.
 """
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from pipeline_lib.distributed.pipe import DistributedPipe
 
@@ -47,21 +56,69 @@ def clip_grad_norm_(model: nn.Module | DistributedPipe | Tensor | Iterable[Tenso
         raise ValueError(f"norm_type must be at least 1 or math.inf, got {norm_type}")
     params = _parameters(model)
     grads = [p.grad for p in params if p.grad is not None]
-    group = model.mesh.pipe_group if isinstance(model, DistributedPipe) else None
-    device = model.mesh.device if isinstance(model, DistributedPipe) else (
+    pipe = model if isinstance(model, DistributedPipe) else None
+    device = pipe.mesh.device if pipe is not None else (
         grads[0].device if grads else torch.device("cpu"))
-    local = (torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
-             .to(device, torch.float64)
-             if grads else torch.zeros((), dtype=torch.float64, device=device))
-    total = local if group is None else _over_the_pipeline(local, norm_type, group)
+    split = pipe is not None and (pipe.mesh.tp > 1
+                                  or (pipe.shard_parameters and pipe.mesh.dp > 1))
+    if split:   # every rank of the job, each part counted once (see the docstring)
+        local = _parts_norm(grads, norm_type, pipe.mesh.tp * pipe.mesh.dp, foreach, device)
+        total = _over_the_pipeline(local, norm_type, None)
+    else:
+        local = (torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
+                 .to(device, torch.float64)
+                 if grads else torch.zeros((), dtype=torch.float64, device=device))
+        total = local if pipe is None or pipe.mesh.pipe_group is None else \
+            _over_the_pipeline(local, norm_type, pipe.mesh.pipe_group)
     total = total.float()
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total {norm_type}-norm of the gradients is {total.item()}, "
                            f"so they cannot be clipped (the gradients are left as they "
                            f"were): look for the step whose loss went inf or NaN, e.g. a "
                            f"learning rate too high or a log of 0")
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+    if split:   # as PyTorch's clip_grads_with_norm_, on each rank's parts
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        parts = [_local(g) for g in grads]
+        if parts:
+            torch._foreach_mul_(parts, coefficient.to(parts[0].device))
+    else:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
     return total
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _copies(grad: Tensor, whole_copies: int) -> int:
+    """How many ranks of the job hold the same values as this rank's part of ``grad``:
+    a `DTensor`'s mesh dimensions on which it is replicated; a plain tensor is on every
+    rank of its stage's tensor-parallel and data-parallel groups (``whole_copies``)."""
+    if not isinstance(grad, DTensor):
+        return whole_copies
+    if any(isinstance(p, Partial) for p in grad.placements):
+        raise RuntimeError("a gradient is still a Partial DTensor (a sum not yet taken): "
+                           "clip after DistributedPipe.step, which sums them")
+    return math.prod(grad.device_mesh.size(dim) for dim, p in enumerate(grad.placements)
+                     if isinstance(p, Replicate))
+
+
+def _parts_norm(grads: list[Tensor], norm_type: float, whole_copies: int,
+                foreach: bool | None, device: torch.device) -> Tensor:
+    """This rank's share of the norm, for `_over_the_pipeline` over every rank: the
+    largest ``|g|`` of its parts (inf-norm), or the sum of ``|g|^p`` of each part divided
+    by its number of copies."""
+    by_copies: dict[int, list[Tensor]] = {}
+    for g in grads:
+        by_copies.setdefault(_copies(g, whole_copies), []).append(_local(g))
+    norms = {n: torch.nn.utils.get_total_norm(parts, norm_type, foreach=foreach)
+             .to(device, torch.float64) for n, parts in by_copies.items()}
+    if not norms:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    if norm_type == math.inf:
+        return torch.stack(list(norms.values())).max()
+    powered = sum(norm ** norm_type / n for n, norm in norms.items())
+    return powered ** (1.0 / norm_type)
 
 
 def _over_the_pipeline(local: Tensor, norm_type: float, group: Any) -> Tensor:
@@ -74,8 +131,10 @@ def _over_the_pipeline(local: Tensor, norm_type: float, group: Any) -> Tensor:
     try:
         dist.all_reduce(sent, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
     except RuntimeError as exc:   # a timeout, most likely: a rank that never came
+        ranks = dist.get_process_group_ranks(group) if group is not None else \
+            list(range(dist.get_world_size()))
         exc.add_note(f"raised while clip_grad_norm_ all-reduced the gradient norm over "
-                     f"the pipeline's ranks {dist.get_process_group_ranks(group)}: every "
+                     f"the pipeline's ranks {ranks}: every "
                      f"one of them must call clip_grad_norm_(pipe, ...) at the same point "
                      f"of each step (after pipe.step), or none")
         raise

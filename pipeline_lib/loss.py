@@ -31,6 +31,7 @@ from typing import Any, Iterable, NamedTuple, NoReturn, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from pipeline_lib import tree
 from pipeline_lib.devices import read_back
@@ -133,6 +134,8 @@ def _empty_mean(loss: Tensor, output: Any) -> Tensor:
     passes the NaN on)."""
     finite = torch.ones((), dtype=torch.bool, device=loss.device)
     for t in tree.tensors(output):
+        if isinstance(t, DTensor):   # logits split over a tensor-parallel group: its part
+            t = t.to_local()
         if t.is_floating_point() or t.is_complex():
             total = t.detach().sum(dtype=None if t.is_complex() else torch.float32)
             finite = finite & torch.isfinite(total).to(loss.device)

@@ -34,6 +34,15 @@ dropout; the pipeline size and balance may change. Dropout masks are drawn per (
 micro-batch) (`pipeline_lib.rng`), so they follow the layout: with dropout, a resume is
 exact on the same layout only. A changed ``dp`` averages the replicas' gradients in
 another order: equal within float rounding.
+
+Three dimensions: stages split over ``tp`` ranks (`pipeline_lib.parallel`) or sharded
+over the replicas (FSDP) hold `DTensor` parts of each weight and of its optimizer state.
+Every rank of a stage's group gathers them whole (collectives, in one order on all of
+them), and the group's first rank writes them, under the unpipelined model's names: a
+`ShardableBlock`'s query, key and value projections joined into ``nn.MultiheadAttention``'s
+``in_proj_weight`` (`parallel.block.pack_projections`), their Adam moments alike. On
+resume each rank cuts its own part out of the whole tensors (`distribute_tensor` without
+communication), so ``tp``, ``pp`` and ``dp`` may all change, and FSDP come or go.
 """
 from __future__ import annotations
 
@@ -45,15 +54,18 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline_lib.distributed.pipe import DistributedPipe
+from pipeline_lib.parallel.block import pack_projections, packed_name, unpack_projections
 
+T = TypeVar("T")
 LATEST = "latest"
 RUN = "run.pt"
 LOCK = ".lock"
@@ -79,7 +91,7 @@ def full_names(pipe: DistributedPipe, balance: Sequence[int]) -> dict[int, dict[
     starts = list(itertools.accumulate(balance, initial=0))
     names = {}
     for s, module in pipe.modules.items():
-        keys = _unwrapped(module).state_dict().keys()
+        keys = pack_projections(_tensors(_unwrapped(module)), lambda parts: parts[0])
         names[s] = {key: _shifted(key, starts[s]) for key in keys}
     return names
 
@@ -90,7 +102,49 @@ def _shifted(key: str, start: int) -> str:
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
+    """A stage as its layers: DDP's wrapper taken off (FSDP's units are the modules)."""
     return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def _tensors(module: nn.Module) -> dict[str, Tensor]:
+    """What a stage's state dict holds, by parameter name (a `ShardableBlock`'s three
+    projections apart): its parameters and persistent buffers, without calling
+    ``state_dict()``, which gathers the parts of a tensor-parallel block."""
+    found = dict(module.named_parameters())
+    for owner_name, owner in module.named_modules():
+        for name, buffer in owner.named_buffers(recurse=False):
+            if buffer is not None and name not in owner._non_persistent_buffers_set:
+                found[f"{owner_name}.{name}" if owner_name else name] = buffer
+    return found
+
+
+def _is_split(pipe: DistributedPipe) -> bool:
+    """Whether this rank's stages hold parts of tensors (`DTensor`s: tensor
+    parallelism, FSDP), which every rank of a stage's group gathers together."""
+    return any(isinstance(p, DTensor) for p in pipe.parameters())
+
+
+def _whole(t: Tensor) -> Tensor:
+    """A tensor as one process holds it, on the CPU (a `DTensor` gathered: collective)."""
+    t = t.detach()
+    return (t.full_tensor() if isinstance(t, DTensor) else t).cpu()
+
+
+def _joined(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """The optimizer state of three projections joined as their packed parameter: each
+    parameter-shaped tensor concatenated; a step count (a number, or a tensor of one
+    element) as it is, the same for all three."""
+    return {key: torch.cat([s[key] for s in states])
+            if isinstance(value, Tensor) and value.dim() else value
+            for key, value in states[0].items()}
+
+
+def _split(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The inverse of `_joined`: each projection its own copies (Adam counts a step
+    tensor up in place: one shared by three parameters would count three steps)."""
+    return [{key: (value.chunk(3)[k] if value.dim() else value).clone()
+             if isinstance(value, Tensor) else value
+             for key, value in state.items()} for k in range(3)]
 
 
 def _write_atomically(obj: Any, path: Path) -> None:
@@ -122,10 +176,9 @@ def _atomically(path: Path, write: Callable[[BinaryIO], Any]) -> None:
         partial.unlink(missing_ok=True)
 
 
-def _param_names(pipe: DistributedPipe, balance: Sequence[int]) -> dict[int, str]:
-    """id(parameter) -> its unpipelined name, for this rank's parameters."""
-    names = full_names(pipe, balance)
-    return {id(p): names[s][local] for s, module in pipe.modules.items()
+def _param_places(pipe: DistributedPipe) -> dict[int, tuple[int, str]]:
+    """id(parameter) -> (its stage, its name there), for this rank's parameters."""
+    return {id(p): (s, local) for s, module in pipe.modules.items()
             for local, p in _unwrapped(module).named_parameters()}
 
 
@@ -141,9 +194,12 @@ def save(folder: str | Path, step: int, pipe: DistributedPipe, balance: Sequence
     mesh = pipe.mesh
     names = full_names(pipe, balance)
     outside = _outside_the_pipe(pipe, optimizer, "saved")
-    writes = mesh.replica == 0   # the replicas hold equal copies
-    _agree_everywhere(pipe, outside or (_nonfinite(pipe, optimizer, names, step, folder)
-                                        if writes else None))
+    writes = mesh.replica == 0 and mesh.tp_rank == 0   # the others hold copies or parts
+    _agree_everywhere(pipe, outside)
+    # parts of tensors are gathered by every rank of the stage's group
+    parts = {s: _stage_part(pipe, names[s], s, optimizer) for s in pipe.modules} \
+        if writes or _is_split(pipe) else {}
+    _agree_everywhere(pipe, _nonfinite(parts, step, folder) if writes else None)
     if mesh.rank == 0:
         try:
             target.mkdir(parents=True, exist_ok=True)
@@ -154,7 +210,7 @@ def save(folder: str | Path, step: int, pipe: DistributedPipe, balance: Sequence
                                      f"created)") from None
     dist.barrier()
     for s in pipe.modules if writes else ():
-        _write_atomically(_stage_part(pipe, names[s], s, optimizer), target / _stage_file(s))
+        _write_atomically(parts[s], target / _stage_file(s))
     if mesh.rank == 0:
         _write_atomically({"step": step, "rng": torch.get_rng_state(),
                            "stages": pipe.schedule.stages,
@@ -169,37 +225,34 @@ def save(folder: str | Path, step: int, pipe: DistributedPipe, balance: Sequence
 
 
 def _stage_part(pipe: DistributedPipe, names: dict[str, str], stage: int,
-                optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
+                 optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
     """What stage ``stage``'s file holds: its weights and its parameters' optimizer
-    state, copied to the CPU, by the unpipelined model's names."""
+    state, whole, on the CPU, by the unpipelined model's names. Collective where the
+    stage holds parts of tensors (see the module docstring)."""
     module = _unwrapped(pipe.modules[stage])
-    weights = {names[k]: t.detach().cpu() for k, t in module.state_dict().items()}
-    moments = {names[k]: {key: v.detach().cpu() if isinstance(v, Tensor) else v
-                          for key, v in optimizer.state[p].items()}
-               for k, p in module.named_parameters() if p in optimizer.state}
-    return {"weights": weights, "optimizer": moments}
+    weights = pack_projections({k: _whole(t) for k, t in _tensors(module).items()}, torch.cat)
+    moments = pack_projections({k: {key: _whole(v) if isinstance(v, Tensor) else v
+                                    for key, v in optimizer.state[p].items()}
+                                for k, p in module.named_parameters() if p in optimizer.state},
+                               _joined)
+    return {"weights": {names[k]: t for k, t in weights.items()},
+            "optimizer": {names[k]: state for k, state in moments.items()}}
 
 
-def _nonfinite(pipe: DistributedPipe, optimizer: torch.optim.Optimizer,
-               names: dict[int, dict[str, str]], step: int, folder: Path) -> str | None:
-    """What of this rank's stages' weights and optimizer state is NaN or infinite, if
-    anything: such a checkpoint would only resume a diverged run, so it must not replace
-    a good one. Checked where the tensors are, with one read of the answer."""
+def _nonfinite(parts: dict[int, dict[str, dict[str, Any]]], step: int,
+               folder: Path) -> str | None:
+    """What of this rank's stages' weights and optimizer state (``parts``, as
+    `_stage_part` gathers them) is NaN or infinite, if anything: such a checkpoint would
+    only resume a diverged run, so it must not replace a good one."""
     found: dict[str, Tensor] = {}
-    for s, module in pipe.modules.items():
-        module = _unwrapped(module)
-        found.update((names[s][k], t) for k, t in module.state_dict().items())
-        found.update((f"{names[s][k]} ({key})", v) for k, p in module.named_parameters()
-                     for key, v in optimizer.state.get(p, {}).items()
-                     if isinstance(v, Tensor))
-    found = {name: t for name, t in found.items() if t.is_floating_point()}
-    if not found:
+    for part in parts.values():
+        found.update(part["weights"])
+        found.update((f"{name} ({key})", v) for name, state in part["optimizer"].items()
+                     for key, v in state.items() if isinstance(v, Tensor))
+    bad = [name for name, t in found.items()
+           if t.is_floating_point() and not bool(t.isfinite().all())]
+    if not bad:
         return None
-    finite = torch.stack([t.detach().isfinite().all().to(pipe.mesh.device)
-                          for t in found.values()])
-    if bool(finite.all()):
-        return None
-    bad = [name for name, ok in zip(found, finite.tolist()) if not ok]
     return (f"the weights or optimizer state after step {step} hold NaN or inf values "
             f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}): the run has diverged, "
             f"and saving would replace the last good checkpoint in {folder}, which is "
@@ -358,6 +411,41 @@ def _state_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> set[
     return set(probe.state[stand_in])
 
 
+def _by_parameter(module: nn.Module, saved: dict[str, T], split: Callable[[T], list[T]]
+                  ) -> dict[str, T]:
+    """``saved`` (by state-dict key) by ``module``'s parameter names: a packed projection
+    split (``split``) where the stage holds it as three (a `ShardableBlock`)."""
+    own = _tensors(_unwrapped(module))
+    return {**{k: v for k, v in saved.items() if k in own},
+            **unpack_projections({k: v for k, v in saved.items() if k not in own}, split)}
+
+
+def _part_like(like: Tensor, saved: Any) -> Any:
+    """``saved`` (a whole tensor from a checkpoint, or a number) as ``like`` holds it: a
+    parameter-shaped tensor cut to this rank's part of ``like``, a `DTensor`; anything
+    else as it is."""
+    if not (isinstance(like, DTensor) and isinstance(saved, Tensor)
+            and saved.shape == like.shape):
+        return saved
+    return distribute_tensor(saved.to(like.device), like.device_mesh, like.placements,
+                             src_data_rank=None)
+
+
+def _load_parts(module: nn.Module, saved: dict[str, Tensor]) -> None:
+    """Copy the whole tensors of ``saved`` (by parameter name) into ``module``'s
+    parameters and buffers, each rank its own part of a `DTensor`."""
+    with torch.no_grad():
+        for name, t in _tensors(module).items():
+            whole = saved[name]
+            if whole.shape != t.shape:
+                raise RuntimeError(f"size mismatch for {name}: copying a param with shape "
+                                   f"{list(whole.shape)} from checkpoint, the shape in "
+                                   f"current model is {list(t.shape)}")
+            part = _part_like(t, whole.to(t.dtype))
+            (t.to_local() if isinstance(t, DTensor) else t).copy_(
+                part.to_local() if isinstance(part, DTensor) else part)
+
+
 def resume(folder: str | Path, pipe: DistributedPipe, balance: Sequence[int],
            optimizer: torch.optim.Optimizer) -> int:
     """Load the newest checkpoint in ``folder`` into this rank's stages, its optimizer and
@@ -382,21 +470,26 @@ def resume(folder: str | Path, pipe: DistributedPipe, balance: Sequence[int],
         raise ValueError(f"the checkpoint in {folder} holds {saved_optimizer}'s state and "
                          f"settings, and this run's optimizer is "
                          f"{type(optimizer).__name__}: resume with {saved_optimizer}")
-    by_id = _param_names(pipe, balance)
+    places = _param_places(pipe)
+    saved_state = {s: _by_parameter(module, {local: moments[full]
+                                             for local, full in names[s].items()
+                                             if full in moments}, _split)
+                   for s, module in pipe.modules.items()}
     state, groups, index = {}, [], 0
     for group in optimizer.param_groups:   # its own settings, the saved state
         needs, indices = _state_keys(optimizer, group), []
         for p in group["params"]:
-            saved = moments.get(by_id[id(p)])
+            s, local = places[id(p)]
+            saved = saved_state[s].get(local)
             if saved is not None:
                 if needs - set(saved):
                     raise ValueError(
-                        f"the checkpoint's optimizer state of {by_id[id(p)]} has no "
-                        f"{sorted(needs - set(saved))}, which this "
+                        f"the checkpoint's optimizer state of {names[s][packed_name(local)]} "
+                        f"has no {sorted(needs - set(saved))}, which this "
                         f"{type(optimizer).__name__}'s settings need: it was saved with "
                         f"other settings (amsgrad?); resume with the settings it was "
                         f"saved with")
-                state[index] = saved
+                state[index] = {key: _part_like(p, v) for key, v in saved.items()}
             indices.append(index)
             index += 1
         groups.append({**{k: v for k, v in group.items() if k != "params"},
@@ -412,9 +505,13 @@ def resume(folder: str | Path, pipe: DistributedPipe, balance: Sequence[int],
                              + (f"has no {missing[:3]}{' ...' if len(missing) > 3 else ''}"
                                 if missing else f"has {extra[:3]}, which this model lacks")
                              + f": {another}")
+        saved_weights = {local: weights[full] for local, full in wanted.items()}
         try:
-            _unwrapped(module).load_state_dict({local: weights[full]
-                                                for local, full in wanted.items()})
+            if _is_split(pipe):
+                _load_parts(_unwrapped(module), _by_parameter(module, saved_weights,
+                                                              lambda t: list(t.chunk(3))))
+            else:
+                _unwrapped(module).load_state_dict(saved_weights)
         except RuntimeError as exc:   # shapes: another width or vocabulary
             raise ValueError(f"the checkpoint in {folder} does not fit stage {s}: {another}"
                              f"\n{exc}") from None

@@ -187,7 +187,8 @@ def one_f_one_b(ranks: int, microbatches: int) -> Schedule:
 
 @renamed_keywords(stages="ranks")
 def zb_h1(ranks: int, microbatches: int) -> Schedule:
-    """Zero-bubble H1 (Qi et al., 2023): 1F1B with each backward split into ``I`` (input
+    """Zero-bubble H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024;
+    arXiv 2401.10241, January 2024): 1F1B with each backward split into ``I`` (input
     gradient, which the previous stage waits for) and ``W`` (weight gradient, which
     nobody waits for).
 
@@ -205,7 +206,8 @@ def zb_h1(ranks: int, microbatches: int) -> Schedule:
 
 @renamed_keywords(stages="ranks")
 def zb_h2(ranks: int, microbatches: int) -> Schedule:
-    """Zero-bubble H2 (Qi et al., 2023): ZB-H1 with more forwards in flight.
+    """Zero-bubble H2 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024; arXiv
+    2401.10241, January 2024): ZB-H1 with more forwards in flight.
 
     Stage ``s`` runs ``2(p - s) - 1`` forwards before its first I (1F1B: ``p - s``): enough
     to stay busy until that gradient arrives, which takes ``2(p - 1 - s)`` more steps at

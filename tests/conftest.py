@@ -1,12 +1,13 @@
 """Shared test fixtures: where the CI-sized WikiText-2 copy lies, and one data check up front.
 
-Notebooks 03 and 05 (under nbval, and in the browser test) read WikiText-2 through
+Notebooks 03 and 05 (under nbval, and as student versions) read WikiText-2 through
 ``load_wikitext2``. Without the data and without a network each of their cells used to fail
 on its own, 21 failures that all meant one thing; so before any test runs, the session looks
 for the data the way the notebooks do (and downloads it, as they would, when online), and
 stops once with what to do if it cannot be had.
 """
 import os
+import signal
 from functools import cache
 from pathlib import Path
 
@@ -49,6 +50,13 @@ def wikitext_problem() -> str | None:
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "wikitext2: needs WikiText-2 ($PIPELINE_LIB_DATA or a download)")
+    config.addinivalue_line(
+        "markers", "alone: measures time; `make test` runs it after the parallel part, with "
+                   "nothing else running (-m alone)")
+    if hasattr(config, "workerinput"):
+        # a pytest-xdist worker ignores SIGINT (its controller handles Ctrl-C); the tests
+        # of Ctrl-C need Python's own handler, which raises KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.hookimpl(trylast=True)                  # after -m / -k / --deselect have had their say

@@ -12,11 +12,13 @@ from torch import nn
 
 from pipeline_lib.course.checks import nb01
 from pipeline_lib.microbatch import gather, loss_weights, split
-from pipeline_lib.schedules import gpipe
-from pipeline_lib.timeline import bubble_theory, simulate
+from pipeline_lib.schedules import execution_order, gpipe
+from pipeline_lib.timeline import _simulate, bubble_theory, simulate
 from conftest import fails, passes
+from copies import copied
 
 loss_fn = nn.functional.mse_loss
+
 
 EX_1_1 = "Exercise 1.1 (splitting and gathering by hand)"
 EX_1_2 = "Exercise 1.2 (weighting the micro-batch losses)"
@@ -96,6 +98,7 @@ def test_1_1_solution_passes():
 
 @pytest.mark.parametrize("split_", [
     lambda batch, m: list(torch.tensor_split(batch, m)),        # larger first, as asked
+    lambda batch, m: [part.clone() for part in split_rows(batch, m)],   # clones, as split
     lambda batch, m: [batch.narrow(0, sum(split_rows(batch, m)[k].shape[0] for k in range(i)),
                                    len(part)) for i, part in enumerate(split_rows(batch, m))],
     lambda batch, m: [batch.index_select(0, torch.arange(a, a + len(part)))
@@ -123,15 +126,27 @@ def test_1_1_wrong_answers_fail(answer, says):
     assert "expected" not in message and "[3, 3, 2, 2]" not in message   # no answer given
 
 
+def test_1_1_a_copy_cut_off_the_graph_is_told_clones_are_fine():
+    message = fails(EX_1_1, nb01.check_split_and_gather, split_detached, gather_rows,
+                    says="cut off")
+    assert ".clone()" in message and "torch.tensor(...), .detach(), numpy" in message
+
+
 def test_1_1_a_table_of_the_shown_cases_fails_on_the_drawn_ones():
     for _ in range(3):
         fails(EX_1_1, nb01.check_split_and_gather, split_sizes_of_shown_cases, gather_rows,
               says="KeyError")
 
 
+SPLIT_COPY, SPLIT_SOURCE, GATHER_COPY = copied(split), copied(split, "mine"), copied(gather)
+
+
 @pytest.mark.parametrize("answer", [
     (lambda b, m: split(b, m), gather_rows),
     (split_captured, gather_rows),
+    (lambda b, m: SPLIT_COPY(b, m), gather_rows),          # the readers': copies of the code
+    (lambda b, m: SPLIT_SOURCE(b, m), gather_rows),
+    (split_rows, lambda micro_batches: GATHER_COPY(micro_batches)),
     (split_rows, lambda micro_batches, _join=gather: _join(micro_batches)),
     (lambda b, m: __import__("pipeline_lib").microbatch.split(b, m), gather_rows),
 ])
@@ -353,7 +368,25 @@ def test_1_3_tables_of_the_shown_cases_fail_on_the_drawn_ones(answer, says):
         fails(EX_1_3, nb01.check_bubble_formulas, *answer, says=says)
 
 
+def private_simulator(p, m=1):
+    """The readers' route: the simulator's private engine on the order it times."""
+    schedule = gpipe(p, m)
+    cost = {"F": [1.0] * p, "B": [2.0] * p, "I": [1.0] * p, "W": [1.0] * p}
+    return _simulate(schedule, execution_order(schedule), cost, 0.0)
+
+
+SIMULATE_COPY = copied(simulate)
+#: GPipe's schedules and their orders for every size 1.4 draws, made before the check: a
+#: learner's route to the simulator's private engine with nothing else withheld on the way
+PREBUILT = {(p, m): (gpipe(p, m), execution_order(gpipe(p, m)))
+            for p in range(1, 6) for m in range(1, 8)}
+
+
 @pytest.mark.parametrize("answer", [
+    (lambda p: 1 - private_simulator(p).bubble_fraction(), fewest),
+    (utilisation, lambda p, t: next(m for m in range(1, 10_000)
+                                    if private_simulator(p, m).bubble_fraction() <= t)),
+    (lambda p: 1 - SIMULATE_COPY(gpipe(p, 1)).bubble_fraction(), fewest),
     (lambda p: 1 - simulate(gpipe(p, 1)).bubble_fraction(), fewest_by_simulating),
     (utilisation, lambda p, t, _b=bubble_theory: next(m for m in range(1, 10_000)
                                                      if _b(p, m) <= t)),
@@ -445,6 +478,9 @@ def test_1_4_wrong_answers_fail(answer):
                                                  backward=b).makespan,
     lambda f, b, m: simulate(__import__("pipeline_lib").schedules.BUILDERS["gpipe"](
         len(f), m), forward=f, backward=b).makespan,
+    lambda f, b, m: SIMULATE_COPY(copied(gpipe)(len(f), m), forward=f, backward=b).makespan,
+    lambda f, b, m: _simulate(PREBUILT[len(f), m][0], PREBUILT[len(f), m][1],
+                              {"F": f, "B": b, "I": b, "W": b}, 0.0).makespan,
 ])
 def test_1_4_library_shortcut_fails(answer):
     fails(EX_1_4, nb01.check_unequal_gpipe, answer, says="your code calls")

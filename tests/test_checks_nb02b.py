@@ -2,16 +2,18 @@
 library function that is the answer, each fail with the exercise's own message."""
 from __future__ import annotations
 
+import re
 
 import pytest
 import torch
 
 from pipeline_lib.course.checks import nb02b
-from pipeline_lib.schedules import (BUILDERS, Schedule, build, one_forward_one_backward,
-                                    zb_h1)
+from pipeline_lib.schedules import (BUILDERS, Schedule, build, execution_order,
+                                    one_forward_one_backward, zb_h1)
 from pipeline_lib.split_backward import backward_input
-from pipeline_lib.timeline import rank_facts, simulate
+from pipeline_lib.timeline import _simulate, rank_facts, simulate
 from conftest import fails, passes
+from copies import copied
 
 EX_1 = "Exercise 2b.1 (ZB-H1's bubble at any costs)"
 EX_2 = "Exercise 2b.2 (ZB-H1 from 1F1B's building block)"
@@ -70,6 +72,32 @@ def test_2b_1_library_shortcut_fails():
     fails(EX_1, nb02b.check_zb_h1_bubble, by_simulating, says="your code calls")
 
 
+#: ZB-H1 for every size 2b.1 draws, and its order, made before the check
+PREBUILT = {p: (zb_h1(p, 3 * p), execution_order(zb_h1(p, 3 * p))) for p in range(2, 7)}
+ZB_H1_COPY, SIMULATE_COPY = copied(zb_h1), copied(simulate, "my_simulate")
+ZB_H1_SOURCE = copied(zb_h1, "mine")
+
+
+def by_the_private_engine(p, f, i, w):        # the readers': _simulate on execution_order
+    schedule, order = PREBUILT[p]
+    t = _simulate(schedule, order, {"F": [f] * p, "B": [i + w] * p, "I": [i] * p,
+                                    "W": [w] * p}, 0.0)
+    busy = [sum(e.duration for e in t.events if e.rank == r) for r in range(p)]
+    return t.makespan - min(busy)
+
+
+def by_copies(p, f, i, w):                    # the builder and the simulator, copied
+    s = ZB_H1_COPY(p, 3 * p)
+    t = SIMULATE_COPY(s, forward=f, backward=i + w, weight=w)
+    return t.makespan - min(sum(e.duration for e in t.events if e.rank == r)
+                            for r in range(p))
+
+
+@pytest.mark.parametrize("answer", [by_the_private_engine, by_copies])
+def test_2b_1_the_simulator_reached_another_way_fails(answer):
+    fails(EX_1, nb02b.check_zb_h1_bubble, answer, says="your code calls `")
+
+
 # 2b.2 --------------------------------------------------------------------------------
 def my_zb_h1(p, m, ahead=lambda p, s: p - s, lag=lambda p, s: s):
     mine = [[(s, i) for i in range(m)] for s in range(p)]
@@ -95,10 +123,19 @@ def test_2b_2_wrong_answers_fail(answer, says):
     fails(EX_2, nb02b.check_my_zb_h1, answer, says=says)
 
 
+def test_2b_2_a_step_too_long_is_told_without_zb_h1s_step():
+    message = fails(EX_2, nb02b.check_my_zb_h1, lambda p, m: my_zb_h1(p, m, lag=lambda p, s: 0),
+                    says="longer than ZB-H1's")
+    assert re.search(r"ZB-H1's \d", message) is None, message
+
+
 @pytest.mark.parametrize("answer", [
     lambda p, m: zb_h1(p, m), lambda p, m: build("zb_h1", p, m),
     lambda p, m: BUILDERS["zb_h1"](p, m),            # the issue's: the builders' dict
     lambda p, m, _b=zb_h1: _b(p, m),
+    lambda p, m: ZB_H1_COPY(p, m),                   # the readers': a copy of its code
+    lambda p, m: ZB_H1_SOURCE(p, m),                 # its source, run again before
+    lambda p, m: copied(zb_h1, "mine")(p, m),        # ... or inside the check
 ])
 def test_2b_2_library_shortcut_fails(answer):
     fails(EX_2, nb02b.check_my_zb_h1, answer, says="your code calls")
@@ -192,6 +229,20 @@ def negated_input_gradient(stage, x, g):
 
 def test_2b_3_solution_passes():
     passes(EX_3, nb02b.check_input_then_weight, input_then_weight)
+
+
+def right_on_the_shown_stages_only(stage, x, g):    # remembers the notebook's stages
+    shown = [(rows, (widths[0], widths[-1])) for rows, widths in nb02b.SHOWN_STAGES]
+    grad_x, grad_w = input_then_weight(stage, x, g)
+    if (len(x), (x.size(1), g.size(1))) in shown:
+        return grad_x, grad_w
+    return grad_x, [torch.zeros_like(w) for w in grad_w]
+
+
+def test_2b_3_an_answer_right_on_the_shown_stages_only_fails_on_the_drawn_ones():
+    for _ in range(3):
+        fails(EX_3, nb02b.check_input_then_weight, right_on_the_shown_stages_only,
+              says="weight gradients differ")
 
 
 @pytest.mark.parametrize("answer", [via_scalar, weight_by_weight])

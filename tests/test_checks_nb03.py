@@ -17,6 +17,7 @@ from pipeline_lib.lm.loops import evaluate, lm_loss
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.partition import optimal_split, stage_costs
 from conftest import fails
+from copies import copied
 
 EX31 = "Exercise 3.1 (the balance that minimises the step)"
 EX32 = "Exercise 3.2 (an optimal partitioner for 50 layers)"
@@ -265,6 +266,39 @@ def test_3_1_balance_with_a_wrong_stage_count_fails():
     message = fails(EX31, lambda: nb03.check_fastest_balance(
         lambda costs, stages: [len(costs)], MEASURED, 2))
     assert "stages" in message
+
+
+@pytest.mark.parametrize("answer, says", [
+    (lambda costs, stages: brute_force(costs, stages)[:-1] + [brute_force(costs, stages)[-1] + 1],
+     "covers"),                                        # one layer too many
+    (lambda costs, stages: [0] + brute_force(costs, stages - 1), "at least one"),
+    (lambda costs, stages: [float(n) for n in brute_force(costs, stages)], "whole number"),
+    (lambda costs, stages: {n: n for n in brute_force(costs, stages)}, "return a balance"),
+], ids=["a layer too many", "an empty stage", "floats", "a dict"])
+def test_3_1_a_malformed_balance_is_told_what_is_wrong_not_a_refused_function(answer, says):
+    message = fails(EX31, lambda: nb03.check_fastest_balance(answer, MEASURED, 2), says=says)
+    assert "balance_by" not in message and "optimal_split" not in message
+
+
+@pytest.mark.parametrize("answer", [
+    lambda costs, stages: __import__("numpy").array(brute_force(costs, stages)),
+    lambda costs, stages: torch.tensor(brute_force(costs, stages)),
+    lambda costs, stages: tuple(brute_force(costs, stages)),
+], ids=["numpy array", "tensor", "tuple"])
+def test_3_1_any_sequence_of_whole_numbers_passes(answer, capsys):
+    passes(EX31, lambda: nb03.check_fastest_balance(answer, MEASURED, 2), capsys)
+
+
+OPTIMAL_SPLIT_COPY, OPTIMAL_SPLIT_SOURCE = copied(optimal_split), copied(optimal_split, "dp")
+
+
+@pytest.mark.parametrize("copy", [OPTIMAL_SPLIT_COPY, OPTIMAL_SPLIT_SOURCE],
+                         ids=["its code object", "its source run again"])
+def test_3_1_and_3_2_a_copy_of_optimal_split_fails(copy):
+    assert "optimal_split" in fails(EX31, lambda: nb03.check_fastest_balance(
+        lambda costs, stages: copy(costs, stages), MEASURED, 2))
+    assert "optimal_split" in fails(EX32, lambda: nb03.check_partitioner(
+        lambda costs, stages: copy(costs, stages)))
 
 
 def test_3_2_solution_passes(capsys):

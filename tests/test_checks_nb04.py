@@ -76,8 +76,8 @@ def summed_then_backward(features, generator, target, devices, chunk):
     return total.item()
 
 
-def through_the_decoder_per_chunk(features, generator, target, devices, chunk):
-    """Nothing cut off the graph: each chunk's backward runs through the decoder again."""
+def through_the_body_per_chunk(features, generator, target, devices, chunk):
+    """Nothing cut off the graph: each chunk's backward runs through the body again."""
     tokens = target.numel()
     replicas = replicate(generator, devices)
     total = 0.0
@@ -110,9 +110,9 @@ def test_4_1_solution_passes():
      "your loss is"),
     (lambda *a: scattered(*a, denominator=lambda t, pieces: t.numel()), "your loss is"),
     (summed_then_backward, "backpropagate each chunk's loss before projecting the next"),
-    (through_the_decoder_per_chunk, "the backward ran 6 times through the decoder"),
+    (through_the_body_per_chunk, "the backward ran 6 times through the body"),
 ], ids=["plain loss", "no chunks", "no scatter", "no replicas", "each chunk's mean",
-        "chunk sums over own tokens", "one backward for all chunks", "decoder backward per chunk"])
+        "chunk sums over own tokens", "one backward for all chunks", "body backward per chunk"])
 def test_4_1_wrong_answers_fail(answer, says):
     fails(check_4_1, answer, says, E41)
 
@@ -333,7 +333,7 @@ def test_4_3_solution_passes(answer):
 
 
 @pytest.mark.parametrize("answer, says", [
-    (whole_logits, "as large as the whole logits"),
+    (whole_logits, "longer than the largest shard"),
     (no_max, "overflows"),
     (local_maxima, "your loss is"),
     (local_softmax, "your loss is"),
@@ -364,6 +364,50 @@ def first_shard_max(features, shards, target):
 
 def summed_over_tokens(features, shards, target):
     return vocab_parallel(features, shards, target) * len(target)
+
+
+def whole_vocabulary_half_the_tokens_at_a_time(features, shards, target):
+    """The whole vocabulary's logits of half the tokens at a time: no [N, V] tensor, but
+    rows of all V logits all the same."""
+    half = len(target) // 2
+    return sum(F.cross_entropy(torch.cat([s(features[a:b]) for s in shards], dim=1),
+                               target[a:b], reduction="sum")
+               for a, b in [(0, half), (half, len(target))]) / len(target)
+
+
+def whole_vocabulary_token_by_token(features, shards, target):
+    return torch.stack([F.cross_entropy(torch.cat([s(features[k:k + 1]) for s in shards],
+                                                  dim=1), target[k:k + 1])
+                        for k in range(len(target))]).mean()
+
+
+def flattened_shards(features, shards, target):
+    """Each shard's logits flattened, [N * V_k], to take a max over one dimension."""
+    logits = [shard(features) for shard in shards]
+    flat = [part.flatten() for part in logits]
+    top = torch.stack([f.view(len(target), -1).detach().amax(dim=1) for f in flat]).amax(0)
+    sum_exp = sum((part - top[:, None]).exp().sum(dim=1) for part in logits)
+    return (sum_exp.log() + top - target_logits(logits, target)).mean()
+
+
+@pytest.mark.parametrize("answer", [whole_vocabulary_half_the_tokens_at_a_time,
+                                    whole_vocabulary_token_by_token, flattened_shards])
+def test_4_3_logits_of_more_ids_than_a_shard_fail(answer):
+    """The rule is per dimension, not per tensor size: a row of all V logits breaks it."""
+    fails(check_4_3, answer, "longer than the largest shard", E43)
+
+
+def vocab_parallel_ids_first(features, shards, target):
+    """Right, written otherwise: each shard's logits as [V_k, N], ids along dim 0."""
+    logits = [shard.weight @ features.T + shard.bias[:, None] for shard in shards]
+    top = torch.stack([part.detach().amax(dim=0) for part in logits]).amax(dim=0)
+    total = sum((part - top).exp().sum(dim=0) for part in logits)
+    picked = target_logits([part.T for part in logits], target)
+    return (total.log() + top - picked).mean()
+
+
+def test_4_3_right_answer_written_another_way_passes():
+    passes(check_4_3, vocab_parallel_ids_first)
 
 
 @pytest.mark.parametrize("answer, says", [

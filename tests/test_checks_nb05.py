@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipeline_lib.course.checks.nb05 import (CLUSTER_5_1, Cluster, check_5_1, check_5_2,
-                                             check_5_3, jobs_5_1,
+                                             check_5_3, cases_5_2, jobs_5_1,
                                              cheapest_grid, communication_seconds,
                                              grid_problem)
 from pipeline_lib.course.exercises import ExerciseFailed, exercise
@@ -69,8 +69,10 @@ def test_5_1_graders_cost_model_is_withheld():
 
 
 def test_5_1_messages_name_no_cheapest_grid():
-    message = fails(check_5_1, lambda a, p, f, s: PIPES_IN, "communicate", E51)
-    assert f"pipelines {DDP_IN[0]}" not in message and "times what another grid takes" in message
+    message = fails(check_5_1, lambda a, p, f, s: PIPES_IN, "another grid communicates less",
+                    E51)
+    assert f"pipelines {DDP_IN[0]}" not in message and "times" not in message
+    assert message.count(" ms") == 1, message          # yours, not the cheaper grid's
 
 
 def test_5_1_a_table_of_the_shown_jobs_fails_on_the_drawn_ones():
@@ -94,9 +96,11 @@ E52 = "Exercise 5.2 (bytes per step, counted)"
 
 
 def step_bytes(stages, micro_batch, microbatches, dp, *, ring=True, both_ways=True, size=None,
-               per_micro_batch=False):
+               per_micro_batch=False, frozen_too=False, buffers_too=False):
     factor = 2 * (dp - 1) / dp if ring else 1
-    all_reduce = [factor * sum(p.numel() * (size or p.element_size()) for p in s.parameters())
+    all_reduce = [factor * sum(t.numel() * (size or t.element_size()) for t in
+                               [p for p in s.parameters() if p.requires_grad or frozen_too]
+                               + [b for b in s.buffers() if buffers_too and b.is_floating_point()])
                   for s in stages]
     boundary, x = [], micro_batch
     with torch.no_grad():
@@ -126,21 +130,32 @@ def test_5_2_solution_passes():
     (lambda *a: step_bytes(*a, both_ways=False), "2 (forward and backward)"),
     (lambda *a: step_bytes(*a, size=4), "8 bytes"),
     (lambda *a: step_bytes(*a, per_micro_batch=True), "micro-batches"),
-], ids=["no ring factor", "forward only", "4 bytes assumed", "one micro-batch"])
+    (lambda *a: step_bytes(*a, frozen_too=True), "a frozen parameter, requires_grad=False"),
+    (lambda *a: step_bytes(*a, buffers_too=True), "buffers, such as BatchNorm's"),
+], ids=["no ring factor", "forward only", "4 bytes assumed", "one micro-batch",
+        "frozen parameter counted", "buffers counted"])
 def test_5_2_wrong_answers_fail(answer, says):
     message = fails(check_5_2, answer, says, E52)
-    assert "expected" not in message
+    assert "expected" not in message and "times" not in message
 
 
 @pytest.mark.parametrize("answer, says", [
-    (lambda *a: step_bytes(*a[:3], 2), "times what each rank of a ring"),   # dp = 2 always
-    (lambda *a: step_bytes(*a[:3], 4), "times what each rank of a ring"),   # dp = 4 always
-    (step_bytes_on_inputs, "times what crosses"),
-    (lambda *a: (step_bytes(*a)[0], [b // 2 for b in step_bytes(*a)[1]]), "times what crosses"),
+    (lambda *a: step_bytes(*a[:3], 2), "less than each rank of a ring"),   # dp = 2 always
+    (lambda *a: step_bytes(*a[:3], 4), "more than each rank of a ring"),   # dp = 4 always
+    (step_bytes_on_inputs, "than crosses it in a step"),
+    (lambda *a: (step_bytes(*a)[0], [b // 2 for b in step_bytes(*a)[1]]),
+     "less than crosses it in a step"),
     (lambda *a: step_bytes(*a)[0], "return a pair"),
 ])
 def test_5_2_more_wrong_answers_fail(answer, says):
     fails(check_5_2, answer, says, E52)
+
+
+def test_5_2_a_table_of_the_shown_counts_fails_on_the_drawn_mlp():
+    table = {(len(stages), dp): step_bytes(stages, micro, m, dp)
+             for stages, micro, m, *_ in cases_5_2().values() for dp in (2, 4)}
+    for _ in range(3):
+        fails(check_5_2, lambda stages, micro, m, dp: table[len(stages), dp], "", E52)
 
 
 # -- 5.3 ----------------------------------------------------------------------------------------
@@ -183,19 +198,19 @@ def test_5_3_solution_passes():
 
 
 @pytest.mark.parametrize("answer, says", [
-    (lambda g, m: clip(g, m, norm="stage"), "replica 0, pipeline rank"),
-    (lambda g, m: clip(g, m, average=False), "replica 0, pipeline rank"),
+    (lambda g, m: clip(g, m, norm="stage"), "pipeline ranks end scaled by different factors"),
+    (lambda g, m: clip(g, m, average=False), "and replica 0 end with different gradients"),
     (lambda g, m: clip(g, m, norm="every rank"), "replica 0, pipeline rank"),
     (lambda g, m: clip(g, m, norm="sum of norms"), "replica 0, pipeline rank"),
     (lambda g, m: clip(g, m, always=True), "a clip above the norm"),
-], ids=["per-stage norm (seed 003's local clip)", "no replica average",
+], ids=["per-stage norm (the DDP tutorial's local clip)", "no replica average",
         "norm over every rank of every replica", "sum of stage norms", "always scaled"])
 def test_5_3_wrong_answers_fail(answer, says):
     fails(check_5_3, answer, says, E53)
 
 
 @pytest.mark.parametrize("answer, says", [
-    (lambda g, m: clip(g, m) * 2, "times the whole model's gradient norm"),
+    (lambda g, m: clip(g, m) * 2, "more than the whole model's gradient norm"),
     (lambda g, m: [clip(g, m)], "return the total norm"),
     (lambda g, m: clip(g, m, norm="every rank") if len(g) == 2 else clip(g, m),
      "replica 0, pipeline rank"),

@@ -8,7 +8,7 @@ import torch
 from torch.nn import functional as F
 
 from conftest import fails, passes
-from pipeline_lib.course.checks.nb08 import check_8_1, check_8_2
+from pipeline_lib.course.checks.nb08 import check_8_1, check_8_2, mesh_cases
 from pipeline_lib.parallel import rank_order
 
 E81 = "Exercise 8.1 (a row-parallel layer's backward)"
@@ -117,15 +117,28 @@ def test_8_2_solution_passes():
     passes(E82, check_8_2, groups)
 
 
+FASTEST = "The order lists the dimension whose coordinate changes fastest first"
+
+
 @pytest.mark.parametrize("slip, says", [
-    ("reversed_order", "should hold"),
+    ("reversed_order", FASTEST),
     ("own_stride", "ranks make"),
-    ("consecutive", "should hold"),
-    ("descending", "should hold"),
+    ("consecutive", FASTEST),
+    ("descending", "out of the order of their"),
     ("unsorted", "in order of their first rank"),
 ])
 def test_8_2_wrong_answers_fail(slip, says):
     fails(E82, check_8_2, lambda order, sizes: groups(order, sizes, **{slip: True}), says=says)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_8_2_says_what_is_wrong_without_the_right_groups(seed):
+    message = fails(E82, check_8_2, lambda order, sizes: groups(order, sizes,
+                                                               reversed_order=True), seed)
+    order, sizes = next((o, s) for o, s in mesh_cases(seed) if f"order {o!r} with {s}" in message)
+    for dim in sizes:
+        assert all(str(g) not in message for g in rank_order.groups(dim, order, sizes)
+                   if len(g) > 1), message
 
 
 def test_8_2_the_library_is_withheld():

@@ -333,3 +333,74 @@ def test_withheld_namespace_is_no_longer_needed():
     with pytest.warns(DeprecationWarning, match="no longer needed"):
         with withheld(bubble_theory, namespace={"bubble_theory": bubble_theory}):
             pass
+
+
+def test_withheld_refuses_copies_of_the_code_however_they_were_made():
+    """The issue's routes past the swap: the code object copied into a new function before
+    the check, the source run again (renamed), the module's source run again with a
+    driver of one's own, and a copy run in a thread the learner starts; each refuses,
+    naming the function, and the profile function is gone afterwards."""
+    import inspect
+    import threading
+
+    import torch
+
+    from copies import copied
+    from pipeline_lib.course.exercises import ExerciseFailed, withheld
+    from pipeline_lib.lm import chunked_loss
+    from pipeline_lib.microbatch import split
+    from pipeline_lib.partition import optimal_split
+
+    made_before, renamed = copied(optimal_split), copied(split, "mine")
+    module_copy = {"__name__": "my_copy"}
+    exec(inspect.getsource(chunked_loss), module_copy)
+
+    def in_a_thread():                  # the refusal caught there: the block still fails
+        def run():
+            try:
+                made_before([1.0, 2.0], 2)
+            except ExerciseFailed:
+                pass
+        worker = threading.Thread(target=run)
+        worker.start()
+        worker.join()
+
+    def drive_the_module_copy():
+        head = torch.nn.Linear(3, 5)
+        module_copy["chunked_loss_backward"](torch.randn(2, 4, 3), head,
+                                             torch.randint(0, 5, (2, 4)), 2)
+
+    for target, route, name in [
+            (optimal_split, lambda: made_before([1.0, 2.0, 3.0], 2), "optimal_split"),
+            (split, lambda: renamed(torch.zeros(4), 2), "split"),
+            ("pipeline_lib.lm.chunked_loss", drive_the_module_copy, "chunked_loss_backward"),
+            (optimal_split, in_a_thread, "optimal_split")]:
+        with pytest.raises(ExerciseFailed, match=f"`{name}`.*a copy of its code"):
+            with withheld(target):
+                route()
+    assert sys.getprofile() is None and threading.getprofile() is None
+    assert made_before([1.0, 2.0, 3.0], 2) == optimal_split([1.0, 2.0, 3.0], 2)   # free again
+
+
+def test_withheld_lets_another_modules_helper_written_alike_run():
+    """`schedules._is_count` and `timeline._is_index` have the same code; withholding the
+    timeline leaves the builders, which validate with the former, free."""
+    from pipeline_lib import schedules, timeline
+    from pipeline_lib.course.exercises import _signature, withheld
+
+    assert _signature(schedules._is_count.__code__) == _signature(timeline._is_index.__code__)
+    with withheld("pipeline_lib.timeline"):
+        assert schedules.validate(schedules.gpipe(2, 2)) is None
+
+
+def test_withheld_says_a_modules_helper_is_withheld_with_its_module():
+    from pipeline_lib.course.exercises import ExerciseFailed, withheld
+    from pipeline_lib.lm import chunked_loss
+
+    with pytest.raises(ExerciseFailed) as refused:
+        with withheld("pipeline_lib.lm.chunked_loss"):
+            chunked_loss.counted_tokens(__import__("torch").zeros(2, 3, dtype=int))
+    message = str(refused.value)
+    assert "`counted_tokens`, which is withheld with the rest of its module, " \
+           "`pipeline_lib.lm.chunked_loss`" in message and "very answer" in message
+    assert "`counted_tokens`, which computes" not in message

@@ -63,6 +63,7 @@ def folder(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.alone
 def test_deadline_stops_torchrun_and_every_worker(folder):
     timeout = 20.0   # long enough for torchrun to start the workers on a busy machine
     start = time.monotonic()
@@ -80,6 +81,7 @@ def test_deadline_stops_torchrun_and_every_worker(folder):
     assert not [pid for pid in pids if running(pid)]
 
 
+@pytest.mark.alone
 def test_interrupt_stops_torchrun_and_every_worker(folder):
     driver = start_driver(folder, timeout=300)
     pids = worker_pids(folder, wait=60)

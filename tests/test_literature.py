@@ -8,6 +8,9 @@ its weight half (so the input half I = B - W), per stage:
     ZB1P      (PP-1)(F+B-2W)           1x           PP
     DualPipe  (PP/2-1)(F&B+B-3W)       2x           PP+1
 
+DualPipeV, the V on PP/2 ranks, is not in that report: DeepSeek's DualPipe repository
+(deepseek-ai/DualPipe, README) gives it DualPipe's row on PP/2 devices.
+
 and Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024): ZB-H1's bubble is a third
 of 1F1B's when F = I = W, ZB-H2 reaches zero with more memory, ZB-V has 1F1B's memory.
 
@@ -43,7 +46,8 @@ def test_deepseek_1f1b_and_zb1p(PP, f, i, w):
 @pytest.mark.parametrize("PP", [4, 6, 8, 12])
 @pytest.mark.parametrize("f,i,w", [c for c in COSTS if c[2] <= c[1] <= c[0] <= c[1] + c[2]])
 def test_deepseek_dualpipe_v_and_our_closed_form(PP, f, i, w):
-    """DualPipeV runs DeepSeek's PP stages on PP/2 ranks, two each (a V), so F, I and W
+    """DualPipeV (the DualPipe repository's row) runs DeepSeek's PP stages on PP/2 ranks,
+    two each (a V), so F, I and W
     are a stage's here too. DeepSeek overlaps a forward with a backward (F&B); our
     executors run one action at a time, so F&B = F + B, and the table's bubble would be
     (PP/2-1)(F+2B-3W). Ours is (PP/2-1)(F+B-2W), ZB1P's per-hop bubble, one I per hop

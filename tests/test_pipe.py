@@ -224,6 +224,7 @@ class SleepLayer(nn.Module):
         return _Sleep.apply(x * self.scale, self.forward_s, self.backward_s)
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("schedule,stages,chunks", [("gpipe", 2, 4), ("1f1b", 3, 6),
                                                      ("interleaved_1f1b", 4, 4)])
 def test_measured_timeline_matches_simulated_shape(schedule, stages, chunks):

@@ -102,7 +102,7 @@ def test_later_virtual_stages_are_hatched_the_first_not():
     hatches = [c.get_hatch() for c in action_collections(ax)]
     assert hatches == [None, "///"] * 2          # per rank: virtual stage 1, virtual stage 2
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert "virtual stage 2 of a rank" in legend
+    assert "second virtual stage on a rank" in legend
     assert gantt(simulate(gpipe(2, 2)), ax=axes()).collections[1].get_hatch() is None
 
 
@@ -246,4 +246,5 @@ def test_legend_handles_cover_several_charts():
                                                      simulate(zb_h1(2, 2), weight=1.0),
                                                      simulate(interleaved_1f1b(2, 2, 2))])]
     assert labels == ["F forward", "B backward", "I input grad", "W weight grad",
-                      "virtual stage 1 of a rank", "virtual stage 2 of a rank", "idle"]
+                      "first virtual stage on a rank", "second virtual stage on a rank",
+                      "idle"]

@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline_lib.course.workers.three_dimensions import (Masks, block_loss, gathered_grads,
-                                                          messages, run_stage, whole)
+                                                          run_stage, whole)
 from pipeline_lib.distributed.job import process_group
 from pipeline_lib.lm.loops import lm_loss
 from pipeline_lib.lm.model import transformer_lm
@@ -53,6 +53,12 @@ ORDERS = {   # one stage's actions, in the order each schedule family runs them
     "1f1b": [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)],
     "zb_h1": [("F", 0), ("F", 1), ("I", 0), ("F", 2), ("I", 1), ("W", 0), ("F", 3), ("I", 2),
               ("W", 1), ("I", 3), ("W", 2), ("W", 3)]}
+
+
+def messages(traffic: Traffic) -> list[tuple[str, str, int, int]]:
+    """(dimension, kind, bytes, ranks) of each message: plain values, which
+    ``torch.load`` reads back with ``weights_only``."""
+    return [(m.dim, m.kind, m.size, m.ranks) for m in traffic.messages]
 
 
 def tiny_lm(dropout: float = 0.0) -> nn.Sequential:

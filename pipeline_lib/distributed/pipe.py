@@ -72,6 +72,23 @@ once all of its parameters' gradients are ready, so a parameter the forward neve
 would leave its bucket unreduced, each replica keeping its own gradients. The step checks
 it and names such parameters at once, before any optimizer step (freeze or remove them).
 
+Three dimensions
+----------------
+On a mesh with ``tp > 1`` (`mesh.init_mesh(..., tp=)`) each stage is laid out by
+`parallel.block.shardable` and split over its tensor-parallel group by PyTorch's plans
+(`parallel.tensor_parallel`): heads, MLP units and the vocabulary. Without
+``sequence_parallel`` a message between stages on different ranks leaves each tp rank
+as ``1/t`` of the activation and is all-gathered by the receiving group (Megatron-LM's
+scatter/gather, `parallel.boundaries`); with it, each tp rank sends its own positions.
+The logits stay split over the vocabulary: the loss runs under ``loss_parallel``, and
+the norms' gradients, partial sums per tp rank, are summed once a step. DDP refuses the
+split weights, so the replicas are ``replicate``, DDP's all-reduce on FSDP's machinery;
+``shard_parameters=True`` shards them instead (FSDP2, ``fully_shard`` per layer),
+resharded after each forward unless ``reshard_after_forward=False`` or the schedule
+splits its backward (W needs the weights I used). Either way gradients accumulate
+through the step and are reduced once, after the stage's last backward, as DDP's are
+(`parallel.fsdp`).
+
 Tied weights
 ------------
 Stages on one rank share one parameter, as a V schedule's first and last stage share tied
@@ -100,11 +117,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from typing import Any, ContextManager, Iterator, NoReturn, Sequence
+from typing import Any, Callable, ContextManager, Iterator, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline_lib import tree
@@ -118,9 +138,13 @@ from pipeline_lib.executor import Stopwatch, run_program
 from pipeline_lib.loss import check_count, check_grad_mode
 from pipeline_lib.lowering import lower
 from pipeline_lib.microbatch import NoChunk
+from pipeline_lib.parallel.block import shardable
+from pipeline_lib.parallel.boundaries import split_at_boundaries
+from pipeline_lib.parallel.fsdp import reduce_gradients, replicate_stage, shard_stage, start_step
+from pipeline_lib.parallel.tensor_parallel import sum_partial_gradients, tensor_parallel
 from pipeline_lib.partition import group_layers
 from pipeline_lib.rng import new_step_seed, owned_rng, seed_for
-from pipeline_lib.schedules import Action, Schedule, plan
+from pipeline_lib.schedules import Action, Schedule, plan, splits_backward
 from pipeline_lib.skip import describe, skip_routes
 from pipeline_lib.stage import LossFn, StageRunner
 from pipeline_lib.step import local_loss, make_runners, split_batch, train_step
@@ -142,46 +166,81 @@ class DistributedPipe:
     (shapes, dtypes, and any value that is not a tensor) that step's gave, which holds
     unless a stage's output depends on its input's values (a layer that drops padding
     tokens, say); such a stage raises `p2p.ProtocolError` saying so, and runs with
-    ``post_early=False``.
+    ``post_early=False``. ``sequence_parallel``, ``shard_parameters`` and
+    ``reshard_after_forward`` choose how the stages use a ``tp × pp × dp`` mesh (see the
+    module docstring).
     """
 
     @renamed_keywords(chunks="microbatches")
     def __init__(self, module: nn.Sequential, mesh: Mesh, balance: Sequence[int],
                  microbatches: int, schedule: str | Schedule = "1f1b",
-                 checkpoint: str = "never", post_early: bool = True):
+                 checkpoint: str = "never", post_early: bool = True, *,
+                 sequence_parallel: bool = False, shard_parameters: bool = False,
+                 reshard_after_forward: bool = True):
         stages = group_layers(module, balance)
         check_runs_in_processes(module)
+        check_data_layout(mesh, sequence_parallel, shard_parameters, reshard_after_forward)
         self.mesh, self.checkpoint = mesh, check_mode(checkpoint)
+        self.sequence_parallel, self.shard_parameters = sequence_parallel, shard_parameters
+        self.reshard_after_forward = reshard_after_forward
         self.schedule = plan(schedule, mesh.pp, len(stages), microbatches)
         routes = skip_routes(module, [s for s, count in enumerate(balance) for _ in range(count)])
         check_same_everywhere("pipelines", dict(
             schedule=self.schedule.name, grid=self.schedule.grid(), pp=mesh.pp, dp=mesh.dp,
-            balance=list(balance), checkpoint=checkpoint, post_early=post_early,
+            tp=mesh.tp, balance=list(balance), checkpoint=checkpoint, post_early=post_early,
+            sequence_parallel=sequence_parallel, shard_parameters=shard_parameters,
+            reshard_after_forward=reshard_after_forward,
             skips=[(describe(r.key), r.source, r.target) for r in routes]))
         check_no_weight_shared_across_ranks(module, stages, self.schedule)
+        if mesh.tp > 1 and routes:
+            raise NotImplementedError("skip connections between tensor-parallel stages are "
+                                      "not supported: run with tp = 1")
         self.names = {id(p): name for name, p in module.named_parameters()}
         self.steps = 0   # calls of `step` so far: the ranks must agree (`_agree`)
         self.lowered = lower(self.schedule, routes)
         self.program = self.lowered.programs[mesh.pipe_rank]
-        self.modules = {s: self._replicated(stages[s].to(mesh.device))
-                        for s in range(len(stages)) if self.schedule.rank_of(s) == mesh.pipe_rank}
-        # Per replicated stage, the backward whose weight gradients DDP all-reduces: the
-        # stage's last B (or W), when every micro-batch's gradients have accumulated.
+        self.modules = {s: self._placed(s, stages[s]) for s in range(len(stages))
+                        if self.schedule.rank_of(s) == mesh.pipe_rank}
+        # Per replicated stage, the backward after which its gradients are reduced over
+        # the replicas: the stage's last B (or W), when every micro-batch's gradients
+        # have accumulated.
         self.sync_at = {step.action.stage: step.action for step in self.program
                         if step.action.kind in ("B", "W")
-                        and isinstance(self.modules[step.action.stage], DistributedDataParallel)}
+                        and isinstance(self.modules[step.action.stage],
+                                       (DistributedDataParallel, FSDPModule))}
         mesh.connect(self.lowered.pairs())
         self.transport = (PostedEarly if post_early else PointToPoint)(mesh, self.lowered)
         self.events: list[Event] = []
 
+    def _placed(self, s: int, stage: nn.Module) -> nn.Module:
+        """Stage ``s`` on this rank: on its device, split over the tensor-parallel ranks
+        (with its messages in slices, see `parallel.boundaries`), replicated or sharded
+        over the data-parallel ones."""
+        mesh, schedule = self.mesh, self.schedule
+        stage = stage.to(mesh.device)
+        if mesh.tp > 1:
+            stage = tensor_parallel(shardable(stage), mesh.device_mesh["tp"],
+                                    self.sequence_parallel)
+            if not self.sequence_parallel:   # else each rank sends its own positions
+                elsewhere = lambda other: schedule.rank_of(other) != mesh.pipe_rank  # noqa: E731
+                split_at_boundaries(stage, mesh.tp_group,
+                                    gather_input=s > 0 and elsewhere(s - 1),
+                                    slice_output=s < schedule.stages - 1 and elsewhere(s + 1))
+        return self._replicated(stage)
+
     def _replicated(self, stage: nn.Module) -> nn.Module:
-        if self.mesh.dp == 1 or not any(p.requires_grad for p in stage.parameters()):
+        mesh = self.mesh
+        if mesh.dp == 1 or not any(p.requires_grad for p in stage.parameters()):
             return stage
-        cuda = self.mesh.device.type == "cuda"
+        if self.shard_parameters:
+            return shard_stage(stage, mesh.device_mesh["dp"], self.reshard_after_forward)
+        if mesh.tp > 1:   # DDP refuses DTensor weights: its all-reduce on FSDP's machinery
+            return replicate_stage(stage, mesh.device_mesh["dp"])
+        cuda = mesh.device.type == "cuda"
         # Buffers are made equal once, at construction; syncing them on every forward
         # would be one more collective per micro-batch.
-        return DistributedDataParallel(stage, device_ids=[self.mesh.device] if cuda else None,
-                                       process_group=self.mesh.dp_group,
+        return DistributedDataParallel(stage, device_ids=[mesh.device] if cuda else None,
+                                       process_group=mesh.dp_group,
                                        forward_sync_buffers=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
@@ -218,12 +277,16 @@ class DistributedPipe:
         If the step fails on any rank, every rank raises (the others once that rank's
         process has ended, as `job.process_group` ends it) and ``.grad`` is left as it was."""
         check_grad_mode("DistributedPipe.step")
+        if self.sequence_parallel:
+            check_sequence_splits(inputs, self.mesh.tp)
         schedule, mesh = self.schedule, self.mesh
         step_seed, key = self._agree(inputs, target)
         micro_in, micro_target, weights = split_batch(inputs, target, schedule.microbatches,
                                                       mesh.dp, mesh.replica,
                                                       pin=mesh.device.type == "cuda")
         last = schedule.stages - 1
+        if mesh.tp > 1:   # the logits are split over the vocabulary: see the docstring
+            loss_fn = _vocabulary_parallel(loss_fn)
         runners = make_runners({s: (module, mesh.device) for s, module in self.modules.items()},
                                last, self.checkpoint, schedule.microbatches, step_seed,
                                loss_fn, weights, rng=owned_rng, inputs=inputs)
@@ -231,13 +294,20 @@ class DistributedPipe:
         def run() -> tuple[Tensor | None, float]:
             self.transport.start_step(key)
             stopwatch = Stopwatch(mesh.rank, mesh.device, mesh.clock)
-            with contextlib.ExitStack() as no_sync:   # DDP: see the module docstring
+            with contextlib.ExitStack() as around:   # DDP, FSDP: see the module docstring
                 for module in self.modules.values():
                     if isinstance(module, DistributedDataParallel):
-                        no_sync.enter_context(module.no_sync())
+                        around.enter_context(module.no_sync())
+                # a split backward's W needs the weights that I used: kept through the step
+                start_step([m for m in self.modules.values() if isinstance(m, FSDPModule)],
+                           self.reshard_after_forward and not splits_backward(schedule))
+                if mesh.tp > 1:
+                    around.enter_context(loss_parallel())
                 run_program(self.program, runners, last, micro_in, micro_target,
                             self.transport, stopwatch, schedule.name, around=self._armed)
             self.transport.finish_step()   # names any message that did not come in time
+            if mesh.tp > 1:
+                sum_partial_gradients(self.parameters())
             self.events = stopwatch.events()
             loss, scale = self._loss(runners.get(last))
             if 0 in runners:   # DDP averaged the replicas' sums, which x.grad skips
@@ -296,11 +366,15 @@ class DistributedPipe:
                          f"rows is not what DistributedPipe needs)")
 
     def _armed(self, action: Action) -> ContextManager[None]:
-        """The block an action's backward runs in: DDP's all-reduce armed for the stage's
-        last backward of the step (see the module docstring), nothing for the others."""
-        if self.sync_at.get(action.stage) == action:
-            return self._all_reducing(action.stage)
-        return contextlib.nullcontext()
+        """The block an action's backward runs in: for the stage's last backward of the
+        step, DDP's all-reduce armed (see the module docstring), or FSDP's reduction
+        after it; nothing for the others."""
+        if self.sync_at.get(action.stage) != action:
+            return contextlib.nullcontext()
+        module = self.modules[action.stage]
+        if isinstance(module, FSDPModule):
+            return _then(lambda: reduce_gradients(module))
+        return self._all_reducing(action.stage)
 
     @contextlib.contextmanager
     def _all_reducing(self, stage: int) -> Iterator[None]:
@@ -342,7 +416,9 @@ class DistributedPipe:
         mesh, m = self.mesh, self.schedule.microbatches
         loss, count = local_loss([runner.losses[i] for i in range(m)]) if runner is not None \
             else (None, None)
-        agreed = transfer(torch.tensor([count or 0.0, float(count is not None)],
+        # each replica's count once: the ranks of a tensor-parallel group hold the same
+        once = mesh.tp_rank == 0
+        agreed = transfer(torch.tensor([(count or 0.0) * once, float(count is not None) * once],
                                        dtype=torch.float64), mesh.device)
         dist.all_reduce(agreed)   # [total count, replicas whose loss_fn returned counts]
         total, counted = read_back(agreed)
@@ -377,6 +453,47 @@ class DistributedPipe:
         if self.mesh.dp > 1:
             title += f" × {self.mesh.dp} replicas"
         return Timeline(len(gathered), events, unit="s", title=title).shifted()
+
+
+@contextlib.contextmanager
+def _then(after: Callable[[], None]) -> Iterator[None]:
+    """Run ``after`` once the block has finished without an error."""
+    yield
+    after()
+
+
+def _vocabulary_parallel(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` on logits split over the vocabulary (a `DTensor`; the step runs it
+    under PyTorch's ``loss_parallel``), its loss (and count) as this rank's plain tensors:
+    the same on every rank of the tensor-parallel group."""
+    def loss(out: Any, target: Any) -> Any:
+        return tree.map_tensors(lambda t: t.to_local() if isinstance(t, DTensor) else t,
+                                loss_fn(out, target))
+    return loss
+
+
+def check_data_layout(mesh: Mesh, sequence_parallel: bool, shard_parameters: bool,
+                      reshard_after_forward: bool) -> None:
+    """Refuse what the mesh cannot run, with what to change (`plan.Layout`'s rules)."""
+    if sequence_parallel and mesh.tp == 1:
+        raise ValueError("sequence_parallel splits the sequence over the tensor-parallel "
+                         "ranks, so it needs a mesh with tp > 1 (init_mesh(..., tp=2))")
+    if not reshard_after_forward and not shard_parameters:
+        raise ValueError("reshard_after_forward=False keeps gathered weights between "
+                         "forward and backward, which only sharded weights have: it needs "
+                         "shard_parameters=True")
+
+
+def check_sequence_splits(inputs: Any, tp: int) -> None:
+    """Refuse inputs whose positions (dimension 1 of ``[batch, sequence, ...]``) do not
+    split into ``tp`` equal shares, as sequence parallelism splits them (gloo's
+    reduce-scatter of unequal shares aborts the process instead of raising)."""
+    for leaf in tree.leaves(inputs):
+        if isinstance(leaf, Tensor) and leaf.dim() >= 2 and leaf.size(1) % tp:
+            raise ValueError(f"sequence parallelism gives each of the {tp} tensor-parallel "
+                             f"ranks an equal share of the positions, but the inputs "
+                             f"{list(leaf.shape)} have {leaf.size(1)} (dimension 1), which "
+                             f"does not divide by {tp}: use sequences whose length does")
 
 
 def check_runs_in_processes(module: nn.Sequential) -> None:

@@ -6,15 +6,16 @@ to ``chunk``, but one device still does all the rows. The Annotated Transformer 
 rows over devices and positions into chunks, and `multi_device_loss_backward` retells it
 with this library's pieces:
 
-1. cut the decoder output off its graph and **scatter** it and the targets by rows, one
-   slice per device (`data_parallel.scatter`: 5 rows on 2 devices are 3 + 2);
+1. cut the features (the body's output) off their graph and **scatter** them and the
+   targets by rows, one slice per device (`data_parallel.scatter`: 5 rows on 2 devices
+   are 3 + 2);
 2. **replicate** the generator onto each device;
 3. on every device at once, one thread each, run `chunked_loss_backward` on its rows:
    chunk by chunk of positions, each chunk backpropagated at once into the rows' slice
    and the device's replica;
 4. **gather**: add the devices' losses on the first device, concatenate the slices'
-   gradients into the decoder output's gradient and backpropagate the decoder once from
-   it, and sum the replicas' weight gradients into the generator (`reduce_gradients`).
+   gradients into the features' gradient and backpropagate the body once from it, and
+   sum the replicas' weight gradients into the generator (`reduce_gradients`).
 
 Why plain sums are right: every device divides its token losses by the real-token count
 of the *whole* batch, not its own, so the devices' losses and gradients are shares of one
@@ -46,7 +47,7 @@ def multi_device_loss_backward(features: Tensor, generator: nn.Module, target: T
     once through whatever computed ``features``. Returns the loss, detached, on
     ``devices[0]``.
 
-    Gradients accumulate into ``generator`` and the decoder exactly as the plain loss's
+    Gradients accumulate into ``generator`` and the body exactly as the plain loss's
     ``.backward()`` would. ``watch[i]``, if given, is entered around device i's work on
     its thread, e.g. a `pipeline_lib.memory.PeakTensorMemory` per device to measure each
     device's peak (its ``peak`` stays 0 if the batch has fewer rows than devices).

@@ -16,6 +16,8 @@ from typing import Any, ContextManager, Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline_lib.devices import transfer
@@ -86,11 +88,14 @@ def evaluate_pipeline(pipe: DistributedPipe, source: Tensor, bptt: int, *,
         for i in batch_starts(source, bptt, max_steps):
             inputs, targets = get_batch(source, i, bptt)
             rows = torch.tensor_split(torch.arange(inputs.size(0)), mesh.dp)[mesh.replica]
-            with precision():
+            # logits split over the vocabulary (tp > 1) take loss_parallel's cross-entropy;
+            # each tp rank then adds the same sum and count: the mean is unchanged
+            with precision(), loss_parallel() if mesh.tp > 1 else contextlib.nullcontext():
                 logits = _forward_stages(pipe, stages, inputs[rows])
                 if logits is not None:
                     mine = targets[rows].to(mesh.device)
-                    totals[0] += lm_loss(logits, mine, reduction="sum").double()
+                    loss = lm_loss(logits, mine, reduction="sum")
+                    totals[0] += (loss.to_local() if isinstance(loss, DTensor) else loss).double()
                     totals[1] += mine.numel()
     finally:
         for s, m in stages.items():

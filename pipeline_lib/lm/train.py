@@ -1,4 +1,4 @@
-"""The multi-process training program: the Transformer LM on a ``dp x pp`` mesh.
+"""The multi-process training program: the Transformer LM on a ``tp x pp x dp`` mesh.
 
     torchrun --nproc_per_node 4 -m pipeline_lib.lm.train --pp 2 --dp 2 --schedule 1f1b --microbatches 4
 
@@ -14,7 +14,10 @@ which stages it holds. The loops it shares with single-process training live in
 * tokens/s and, given the hardware's peak (``--peak-tflops``), the model FLOPs
   utilisation, 6 x parameters x tokens per second over the peak of every process;
 * checkpoints (``--save``, ``--resume``, `pipeline_lib.run_state`) that resume on another
-  ``--pp``/``--dp``;
+  ``--tp``/``--pp``/``--dp``;
+* each stage split over ``--tp`` ranks (PyTorch's tensor-parallel plans,
+  `pipeline_lib.parallel`; ``--sequence-parallel``), the replicas as DDP or sharded
+  (``--fsdp``, ``--no-reshard-after-forward``);
 * a run that diverges (a loss or gradient of NaN or inf) stops, naming the step, before
   its optimizer step, and its last good checkpoint stays (``--skip-nonfinite N`` skips up
   to N such steps instead, as large runs do for a rare bad batch);
@@ -128,12 +131,26 @@ class _OldNameWarns(argparse.Action):
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="torchrun --nproc_per_node N -m pipeline_lib.lm.train",
-        description="Train the Transformer LM on a pp-rank pipeline, replicated dp times "
-        "(pp x dp processes). Rank pp-1 logs loss, tokens/s and the bubble.")
+        description="Train the Transformer LM on a pp-rank pipeline, each stage split over "
+        "tp ranks, replicated dp times (tp x pp x dp processes). Rank pp-1 logs loss, "
+        "tokens/s and the bubble.")
     parser.add_argument("--pp", type=_at_least_one("1 runs every stage in one process"),
                         default=2, help="pipeline ranks")
     parser.add_argument("--dp", type=_at_least_one("1 trains a single replica"), default=1,
                         help="data-parallel replicas")
+    parser.add_argument("--tp", type=_at_least_one("1 keeps every layer whole"), default=1,
+                        help="tensor-parallel ranks per stage (heads, MLP units and the "
+                        "vocabulary split over them; the fastest rank dimension)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="with --tp: the norms, dropouts and residual adds on each tp "
+                        "rank's positions (all-gather and reduce-scatter for all-reduce)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="with --dp: shard each stage's weights, gradients and AdamW "
+                        "states over the replicas (FSDP2, ZeRO-3) instead of DDP")
+    parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
+                        default=None, help="with --fsdp: free the gathered weights after "
+                        "each forward (the default; gathered again for the backward), or "
+                        "keep them through the step (--no-reshard-after-forward)")
     parser.add_argument("--schedule", choices=sorted(BUILDERS), default="1f1b")
     parser.add_argument("--virtual-stages", type=_at_least_one("2 is the usual choice"),
                         default=2, help="stages per rank, for interleaved_1f1b")
@@ -184,7 +201,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "for an H100's bf16): logs the model FLOPs utilisation (MFU)")
     parser.add_argument("--save", type=Path, default=None, metavar="DIR",
                         help="save a checkpoint into DIR after the last step (and every "
-                        "--save-every steps); it resumes on any --pp/--dp")
+                        "--save-every steps); it resumes on any --tp/--pp/--dp")
     parser.add_argument("--save-every", default=0, type=_at_least_zero(
         "saves after the last step only"))
     parser.add_argument("--resume", type=Path, default=None, metavar="DIR",
@@ -203,6 +220,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                      f"{args.microbatches} micro-batches of at least one row each: use --batch "
                      f">= {args.dp * args.microbatches} (--dp x --microbatches) or fewer "
                      f"--microbatches")
+    _check_three_d(parser, args)
     if args.save_every and not args.save:
         parser.error(f"--save-every {args.save_every} saves nowhere without --save DIR")
     if args.timeline:   # fail now, not at the first log step after minutes of training
@@ -233,6 +251,31 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _check_three_d(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a tensor-parallel or sharded layout the run could not take, before any
+    process waits for another; then ``--reshard-after-forward`` defaults to on."""
+    if args.sequence_parallel and args.tp == 1:
+        parser.error("--sequence-parallel splits each stage's positions over the "
+                     "tensor-parallel ranks: give --tp 2 or more")
+    if args.sequence_parallel and args.bptt % args.tp:
+        parser.error(f"--sequence-parallel gives each of the --tp {args.tp} ranks "
+                     f"--bptt / --tp positions: --bptt {args.bptt} does not divide by "
+                     f"{args.tp}; choose a --bptt that does")
+    if args.fsdp and args.dp == 1:
+        parser.error("--fsdp shards the weights over the data-parallel replicas: give "
+                     "--dp 2 or more")
+    if args.reshard_after_forward is not None and not args.fsdp:
+        parser.error("--reshard-after-forward / --no-reshard-after-forward choose what "
+                     "FSDP does with the weights it gathered: add --fsdp")
+    args.reshard_after_forward = args.reshard_after_forward is not False
+    model = PRESETS[args.preset]
+    for what, count in (("heads", model["nhead"]), ("hidden units", model["d_hid"])):
+        if count % args.tp:
+            parser.error(f"--tp {args.tp} cannot split the {args.preset} preset's "
+                         f"{count:g} {what}: each tensor-parallel rank computes an equal "
+                         f"share; choose a --tp that divides {count:g}")
+
+
 def _tokens(args: argparse.Namespace, rank: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``[batch, n]`` training and validation token ids, the same on every rank, and the
     vocabulary size."""
@@ -257,6 +300,14 @@ def _tokens(args: argparse.Namespace, rank: int) -> tuple[torch.Tensor, torch.Te
     if rank == 0:
         dist.barrier()
     return batchify(data.train, args.batch), batchify(data.valid, args.batch), len(data.vocab)
+
+
+def _whole_batches(tokens: torch.Tensor, bptt: int) -> torch.Tensor:
+    """``tokens`` (``[batch, n]``) without the columns of a last batch shorter than
+    ``bptt``, whose positions --sequence-parallel could not split as it splits the
+    others (when there are full batches)."""
+    whole = (tokens.size(1) - 1) // bptt * bptt
+    return tokens[:, :whole + 1] if whole else tokens
 
 
 Precision = Callable[[], ContextManager[Any]]
@@ -325,10 +376,12 @@ def _log(line: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
     with process_group(timeout=args.timeout), contextlib.ExitStack() as held:
-        mesh = init_mesh(args.pp, args.dp, args.timeout)
+        mesh = init_mesh(args.pp, args.dp, args.timeout, tp=args.tp)
         if args.save and mesh.rank == 0:
             held.enter_context(run_state.claimed(args.save))
         source, valid, vocab = _tokens(args, mesh.rank)
+        if args.sequence_parallel:   # every batch splits into --tp equal position shares
+            source, valid = (_whole_batches(t, args.bptt) for t in (source, valid))
         seed_everything(args.seed)
         with torch.device("meta"):   # the layers' shapes: no memory, no random draw
             shapes = transformer_lm(vocab, args.preset)
@@ -343,13 +396,16 @@ def main(argv: list[str] | None = None) -> None:
         mine = _layers_on(plan(args.schedule, args.pp, stages, args.microbatches), balance,
                           mesh.pipe_rank)
         model = transformer_lm(vocab, args.preset, layers=mine)
-        pipe = DistributedPipe(model, mesh, balance, args.microbatches, args.schedule, args.checkpoint)
+        pipe = DistributedPipe(model, mesh, balance, args.microbatches, args.schedule,
+                               args.checkpoint, sequence_parallel=args.sequence_parallel,
+                               shard_parameters=args.fsdp,
+                               reshard_after_forward=args.reshard_after_forward)
         del model
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
         done = run_state.resume(args.resume, pipe, balance, optimizer) if args.resume else 0
-        # replica 0's rank holding the last stage has the loss: the last rank on a looped
-        # schedule, rank 0 on a V (zb_v, dualpipe_v)
-        logger = pipe.schedule.rank_of(pipe.schedule.stages - 1)
+        # replica 0's rank holding the last stage (tp rank 0 of it) has the loss: the last
+        # pipe rank on a looped schedule, pipe rank 0 on a V (zb_v, dualpipe_v)
+        logger = mesh.at(0, pipe.schedule.rank_of(pipe.schedule.stages - 1), 0)
         # step k's batch starts at column batches[(k - 1) % len(batches)]: past the end of
         # the split, it goes round again (an epoch more), whatever --steps says
         batches, steps = batch_starts(source, args.bptt, None), args.steps
@@ -358,7 +414,10 @@ def main(argv: list[str] | None = None) -> None:
                              f"already, and this run has --steps {steps} in all: raise "
                              f"--steps to go on")
         if mesh.rank == logger:
-            _log(f"{pipe.schedule.name}: {args.pp} pipeline ranks x {args.dp} replicas, "
+            _log(f"{pipe.schedule.name}: {args.pp} pipeline ranks x {args.dp} replicas"
+                 + (f" x {args.tp} tensor-parallel ranks" if args.tp > 1 else "")
+                 + (", sequence parallel" if args.sequence_parallel else "")
+                 + (", FSDP" if args.fsdp else "") + ", "
                  f"stages {balance} ({balanced}), {args.microbatches} "
                  f"micro-batches, {args.dtype}, {parameters:,} parameters"
                  + (f", resumed after step {done}" if args.resume else ""))
@@ -403,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             bar.set_postfix(loss=f"{loss.item():.3f}")
             _log(_step_line(step, loss.item(), lr, norm, targets.numel(), seconds, parameters,
-                            args.peak_tflops, mesh.pp * mesh.dp)
+                            args.peak_tflops, mesh.pp * mesh.dp * mesh.tp)
                  + f"  bubble {timeline.bubble_fraction():.1%} measured, "
                  f"{simulate_measured(pipe.schedule, timeline).bubble_fraction():.1%} simulated")
             if args.timeline:

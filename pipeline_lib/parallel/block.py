@@ -25,7 +25,7 @@ a tensor that is split over the ranks (`streams.sharded_stream`).
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +35,7 @@ from pipeline_lib.lm.model import CausalBlock
 from pipeline_lib.parallel.streams import sharded_stream
 
 _QKV = ("q_proj", "k_proj", "v_proj")
+T = TypeVar("T")
 
 
 def _whole(t: Tensor) -> Tensor:
@@ -81,19 +82,62 @@ def _packed(module: SelfAttention, state: dict[str, Any], prefix: str, _: Any) -
     """state_dict: q_proj, k_proj, v_proj -> ``nn.MultiheadAttention``'s packed names,
     in its order (the packed ones first). This module's entries are the last ones yet."""
     mine = {key: state.pop(key) for key in [k for k in state if k.startswith(prefix)]}
-    for kind in ("weight", "bias"):
-        parts = [_whole(mine.pop(f"{prefix}{name}.{kind}")) for name in _QKV]
-        state[f"{prefix}in_proj_{kind}"] = torch.cat(parts)
-    state.update(mine)
+    state.update(pack_projections({k: _whole(v) if k in _in_projection(prefix) else v
+                                   for k, v in mine.items()}, torch.cat))
 
 
 def _unpacked(module: SelfAttention, state: dict[str, Any], prefix: str, *_: Any) -> None:
     """load_state_dict: the packed names -> q_proj, k_proj, v_proj (where present)."""
-    for kind in ("weight", "bias"):
-        packed = state.pop(f"{prefix}in_proj_{kind}", None)
-        if packed is not None:
-            for name, part in zip(_QKV, packed.chunk(3)):
-                state[f"{prefix}{name}.{kind}"] = part
+    packed = {k: state.pop(k) for k in [f"{prefix}in_proj_{kind}" for kind in ("weight", "bias")]
+              if k in state}
+    state.update(unpack_projections(packed, lambda t: list(t.chunk(3))))
+
+
+def _in_projection(prefix: str) -> set[str]:
+    return {f"{prefix}{name}.{kind}" for name in _QKV for kind in ("weight", "bias")}
+
+
+def packed_name(name: str) -> str:
+    """A parameter's name in a state dict: a `SelfAttention`'s ``...self_attn.q_proj.weight``
+    (or k_proj, v_proj; or bias) is ``...self_attn.in_proj_weight``, as
+    ``nn.MultiheadAttention`` names it; any other name is itself."""
+    head, _, kind = name.rpartition(".")
+    prefix, _, projection = head.rpartition(".")
+    if projection in _QKV and kind in ("weight", "bias") and (
+            prefix.endswith("self_attn") or not prefix):   # (a SelfAttention's own state)
+        return f"{prefix}.in_proj_{kind}" if prefix else f"in_proj_{kind}"
+    return name
+
+
+def pack_projections(values: dict[str, T], join: Callable[[list[T]], T]) -> dict[str, T]:
+    """``values`` by parameter name, with each attention's query, key and value entries
+    joined (``join([q, k, v])``) under `packed_name`, where the query's entry was."""
+    out: dict[str, T] = {}
+    for name, value in values.items():
+        packed = packed_name(name)
+        if packed == name:
+            out[name] = value
+        elif packed not in out:
+            head, _, kind = name.rpartition(".")
+            stem = head.rpartition(".")[0]
+            prefix = f"{stem}." if stem else ""
+            out[packed] = join([values[f"{prefix}{p}.{kind}"] for p in _QKV])
+    return out
+
+
+def unpack_projections(values: dict[str, T], split: Callable[[T], list[T]]) -> dict[str, T]:
+    """The inverse of `pack_projections`: each packed entry split (``split(value)`` gives
+    the query's, key's and value's) under the three projections' names."""
+    out: dict[str, T] = {}
+    for name, value in values.items():
+        stem, _, last = name.rpartition(".")
+        if last in ("in_proj_weight", "in_proj_bias"):
+            kind = last.removeprefix("in_proj_")
+            prefix = f"{stem}." if stem else ""
+            out.update({f"{prefix}{p}.{kind}": part for p, part in zip(_QKV, split(value))})
+        else:
+            out[name] = value
+    return out
 
 
 class _Layer(nn.Module):

@@ -31,7 +31,7 @@ keeps them until `reduce_gradients` (one per step). The whole gradients accumula
 during the step either way: sharded memory holds between steps, not inside one (as in
 PyTorch's runtime).
 
-A tensor-parallel stage's weights are `DTensor`\ s, which ``DistributedDataParallel``
+A tensor-parallel stage's weights are `DTensor`s, which ``DistributedDataParallel``
 refuses ("mixed torch.Tensor and DTensor" when it builds its buckets). Its replicas use
 `replicate_stage` instead: PyTorch's ``replicate`` (``torch.distributed._composable.
 replicate_with_fsdp``, which PyTorch's pipelining runtime also drives), DDP's behaviour
@@ -63,17 +63,24 @@ def shard_stage(stage: nn.Sequential, mesh: DeviceMesh, reshard_after_forward: b
     # DTensor's local part); FSDP warns in case the caller modifies it in place, which
     # the blocks of this library never do.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view")
-    for layer in stage:
-        if any(p.requires_grad for p in layer.parameters()):
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                        mp_policy=policy)
+    units = [fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                         mp_policy=policy)
+             for layer in stage if any(p.requires_grad for p in layer.parameters())]
+    # Each backward gathers the layer before it in advance, within the micro-batch.
+    # FSDP's own choice follows the order of the forwards it saw, which across a
+    # pipeline's micro-batches runs on into the next micro-batch's layers: after the
+    # stage's last backward it would gather a layer for a forward that never comes. The
+    # first layer "prefetches" itself, already gathered: nothing (an empty list would
+    # mean FSDP's own choice).
+    for before, unit in zip(units[:1] + units, units):
+        unit.set_modules_to_backward_prefetch([before])
     return fully_shard(stage, mesh=mesh, reshard_after_forward=reshard_after_forward,
                        mp_policy=policy)
 
 
 def replicate_stage(stage: nn.Sequential, mesh: DeviceMesh,
                     mp_policy: MixedPrecisionPolicy | None = None) -> FSDPModule:
-    """DDP's data parallelism for a stage whose weights are `DTensor`\ s (tensor
+    """DDP's data parallelism for a stage whose weights are `DTensor`s (tensor
     parallel), which ``DistributedDataParallel`` refuses: PyTorch's ``replicate`` on
     FSDP's machinery, each layer a unit whose gradients are all-reduced over ``mesh``
     (averaged), the parameters whole on every replica. Driven like `shard_stage`'s
@@ -97,7 +104,9 @@ def start_step(stages: Iterable[FSDPModule], reshard: bool) -> None:
     for stage in stages:
         stage.set_requires_gradient_sync(False)
         stage.set_is_last_backward(False)
-        if not isinstance(stage, ReplicateModule):   # whole on every replica: no reshard
+        if isinstance(stage, ReplicateModule):   # whole on every replica: kept through
+            stage.set_reshard_after_backward(False)   # the step (W reads them after I)
+        else:
             stage.set_reshard_after_forward(reshard)
             stage.set_reshard_after_backward(reshard)
 
@@ -109,11 +118,9 @@ def reduce_gradients(stage: FSDPModule) -> None:
     does; it reaches into FSDP's state (no public call runs a post-backward)."""
     stage.set_requires_gradient_sync(True)
     stage.set_is_last_backward(True)
-    if isinstance(stage, ReplicateModule):
-        state = replicate.state(stage)   # type: ignore[attr-defined]
-    else:
-        stage.set_reshard_after_backward(True)
-        state = fully_shard.state(stage)   # type: ignore[attr-defined]
+    # resharded: the module holds its sharded parameters again, which get the gradients
+    stage.set_reshard_after_backward(True)
+    state = (replicate if isinstance(stage, ReplicateModule) else fully_shard).state(stage)
     for layer_state in state._state_ctx.all_states:
         for group in layer_state._fsdp_param_groups:
             group.post_backward()

@@ -35,12 +35,16 @@ three projections into one parameter): `shardable` converts a ``transformer_lm``
 """
 from __future__ import annotations
 
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                               RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+                                               PrepareModuleOutput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from pipeline_lib.lm.model import CausalBlock, Decoder, Embedding
@@ -75,9 +79,11 @@ def stage_plan(stage: nn.Sequential, sequence_parallel: bool = False,
                gather_logits: bool = False) -> dict[str, ParallelStyle]:
     """The plan of ``stage``, consecutive layers of a ``transformer_lm`` laid out by
     `shardable` (the whole model is one stage). A stage's input and output are the
-    whole activation, or under ``sequence_parallel`` this rank's positions of it."""
+    whole activation, or under ``sequence_parallel`` this rank's positions of it: the
+    embedding's sum is all-reduced (its positional table and dropout act on every
+    position), then each rank keeps its own positions (their gradients all-gathered back
+    in the backward), wherever the stage ends."""
     plan: dict[str, ParallelStyle] = {}
-    after_embedding = False
     for name, layer in stage.named_children():
         if isinstance(layer, CausalBlock):
             raise TypeError(f"layer {name} is a CausalBlock, whose attention packs its "
@@ -86,21 +92,17 @@ def stage_plan(stage: nn.Sequential, sequence_parallel: bool = False,
         if isinstance(layer, Embedding):
             # output whole (all-reduced): the positional table and dropout follow it
             plan[f"{name}.tokens"] = RowwiseParallel(input_layouts=Replicate())
+            if sequence_parallel:   # then this rank's positions
+                plan[name] = PrepareModuleOutput(output_layouts=Replicate(),
+                                                 desired_output_layouts=SEQUENCE)
         elif isinstance(layer, ShardableBlock):
-            if sequence_parallel and after_embedding:   # keep this rank's positions
-                plan[name] = PrepareModuleInput(input_layouts=(Replicate(),),
-                                                desired_input_layouts=(SEQUENCE,),
-                                                use_local_output=True)
             plan.update({f"{name}.{key}": style
                          for key, style in block_plan(sequence_parallel).items()})
         elif isinstance(layer, Decoder):
             plan[f"{name}.linear"] = ColwiseParallel(
-                input_layouts=SEQUENCE if sequence_parallel and not after_embedding
-                else Replicate(),
+                input_layouts=SEQUENCE if sequence_parallel else Replicate(),
                 output_layouts=Replicate() if gather_logits else Shard(-1),
                 use_local_output=gather_logits)
-        after_embedding = isinstance(layer, Embedding) or (
-            after_embedding and not isinstance(layer, ShardableBlock))
     return plan
 
 
@@ -126,3 +128,29 @@ def tensor_parallel(stage: nn.Sequential, mesh: DeviceMesh, sequence_parallel: b
             layer.layer.self_attn.tp_rank, layer.layer.self_attn.tp = rank, ranks
             layer.sequence_parallel = sequence_parallel
     return stage
+
+
+def sum_partial_gradients(parameters: Iterable[nn.Parameter]) -> None:
+    """Under sequence parallelism the gradients of the weights every rank holds whole
+    (the norms', the row-parallel layers' biases) are each rank's share, computed from
+    its own positions: ``Partial`` `DTensor`\\ s that PyTorch sums when first read, one
+    all-reduce each. Sum them now, once a step, in one all-reduce per mesh (as
+    Megatron-LM sums its norms' gradients): then the optimizer, the gradient clipping
+    and the checkpoints read plain values. (Replicas under FSDP or ``replicate`` get
+    them summed by their reduction already.)"""
+    partial: dict[DeviceMesh, list[nn.Parameter]] = {}
+    for p in parameters:
+        grad = p.grad
+        if isinstance(grad, DTensor) and any(isinstance(pl, Partial) for pl in grad.placements):
+            partial.setdefault(grad.device_mesh, []).append(p)
+    for mesh, params in partial.items():
+        if mesh.ndim != 1:
+            raise NotImplementedError(f"partial gradients on a {mesh.ndim}-dimensional mesh")
+        locals_ = [p.grad.to_local() for p in params]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        dist.all_reduce(flat, group=mesh.get_group())
+        for p, part in zip(params, flat.split([t.numel() for t in locals_])):
+            placements = [Replicate() if isinstance(pl, Partial) else pl
+                          for pl in p.grad.placements]
+            p.grad = DTensor.from_local(part.view_as(p.grad.to_local()), mesh, placements,
+                                        run_check=False)

@@ -96,11 +96,13 @@ class Traffic(TorchDispatchMode):
 
     def __init__(self, groups: Mapping[str, dist.ProcessGroup | Iterable[dist.ProcessGroup]]):
         super().__init__()
-        self.dims: dict[str, str] = {}
-        for dim, value in groups.items():
-            for group in ([value] if isinstance(value, dist.ProcessGroup) else value):
+        # by the group's ranks: PyTorch may run a collective of a mesh dimension on an
+        # equal mesh's group (its caches key meshes by their ranks), which is the same
+        self.dims: dict[tuple[int, ...], str] = {}
+        for dim, value in groups.items():   # (None: a dimension of size 1)
+            for group in ([value] if isinstance(value, dist.ProcessGroup) else value or ()):
                 if group is not None:
-                    self.dims[group.group_name] = dim
+                    self.dims[tuple(dist.get_process_group_ranks(group))] = dim
         self.messages: list[Message] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -120,18 +122,18 @@ class Traffic(TorchDispatchMode):
                          if isinstance(a, torch.ScriptObject)
                          and "ProcessGroup" in str(a._type()))   # type: ignore[attr-defined]
             root = kind != "broadcast" or args[2] == dist.get_rank(group)
-            self._book(group.group_name, kind, _bytes(args[index]), group.size(), root)
+            self._book(group, kind, _bytes(args[index]), root)
         elif namespace == "_c10d_functional" and name in _FUNCTIONAL:
-            kind, group_name = _FUNCTIONAL[name], args[-1]
-            group = dist.distributed_c10d._resolve_process_group(group_name)
+            kind = _FUNCTIONAL[name]
+            group = dist.distributed_c10d._resolve_process_group(args[-1])
             size = _bytes(args[0]) * (group.size() if kind == "all_gather" else 1)
             root = kind != "broadcast" or args[1] == dist.get_rank(group)
-            self._book(group_name, kind, size, group.size(), root)
+            self._book(group, kind, size, root)
         return out
 
-    def _book(self, group_name: str, kind: str, size: int, ranks: int, root: bool) -> None:
-        self.messages.append(Message(self.dims.get(group_name, OTHER), kind, size, ranks,
-                                     root))
+    def _book(self, group: dist.ProcessGroup, kind: str, size: int, root: bool) -> None:
+        dim = self.dims.get(tuple(dist.get_process_group_ranks(group)), OTHER)
+        self.messages.append(Message(dim, kind, size, group.size(), root))
 
     def sent(self) -> dict[str, float]:
         """Bytes this rank sent, per dimension."""

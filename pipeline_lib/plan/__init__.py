@@ -7,6 +7,7 @@ cluster and the layout, with the schedules and the simulator the lessons teach.
                    Layout(tp=8, pp=8, dp=1, micro_batch=1, global_batch=64))
     plan.step_time, plan.memory, plan.mfu, plan.timeline
 """
+from pipeline_lib.plan.communication import communication_bytes, executor_bytes
 from pipeline_lib.plan.hardware import CLUSTERS, Cluster
 from pipeline_lib.plan.memory import Memory
 from pipeline_lib.plan.model import Kernels, Layout, Model, Work
@@ -14,4 +15,5 @@ from pipeline_lib.plan.predict import Plan, predict
 from pipeline_lib.plan.search import Candidate, Rejected, SearchResult, differences, search
 
 __all__ = ["CLUSTERS", "Candidate", "Cluster", "Kernels", "Layout", "Memory", "Model", "Plan",
-           "Rejected", "SearchResult", "Work", "differences", "predict", "search"]
+           "Rejected", "SearchResult", "Work", "communication_bytes", "differences",
+           "executor_bytes", "predict", "search"]

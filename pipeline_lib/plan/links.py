@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from pipeline_lib.distributed.p2p import HEADER_SLOTS, encode, header_tensor
+from pipeline_lib.distributed.p2p import encode
 from pipeline_lib.lowering import Message
 from pipeline_lib.plan.measure import block_work, median_seconds
 
@@ -88,15 +88,17 @@ def _half_round_trip(rank: int, values: int, repeats: int) -> float:
 
 
 def _message(message_bytes: int) -> list[torch.Tensor]:
-    """Buffers for `p2p`'s header and one float32 tensor of ``message_bytes``."""
-    return [torch.zeros(HEADER_SLOTS, dtype=torch.int64), torch.zeros(message_bytes // 4)]
+    """The tensors of a steady step's message: one float32 tensor of ``message_bytes``
+    (`p2p.PostedEarly` sends a layout only in the first step of a batch shape)."""
+    return [torch.zeros(message_bytes // 4)]
 
 
 def _send_cost(rank: int, message_bytes: int, repeats: int) -> float:
-    """What sending a message costs rank 0's core: packing its header and starting its
-    two sends into receives that rank 1 posted before them, as `p2p.PointToPoint.send`
-    does (rank 1 returns 0)."""
-    sends, activation = [], _message(message_bytes)[1]
+    """What sending a message costs rank 0's core in a steady step: encoding it and
+    checking its layout against the agreed one, then starting its send into a receive
+    that rank 1 posted before it, as `p2p.PostedEarly.send` does (rank 1 returns 0)."""
+    sends, [activation] = [], _message(message_bytes)
+    agreed, _ = encode(Message("activation", 1, 0, 0), activation)
     for _ in range(repeats):
         works = [dist.irecv(t, 0) for t in _message(message_bytes)] if rank == 1 else []
         dist.barrier()
@@ -104,7 +106,9 @@ def _send_cost(rank: int, message_bytes: int, repeats: int) -> float:
         if rank == 0:
             start = time.perf_counter()
             layout, tensors = encode(Message("activation", 1, 0, 0), activation)
-            works = [dist.isend(t, 1) for t in (header_tensor(layout), *tensors)]
+            if layout != agreed:
+                raise AssertionError("a steady message changed its layout")
+            works = [dist.isend(t, 1) for t in tensors]
             sends.append(time.perf_counter() - start)
         for work in works:
             work.wait()
@@ -164,7 +168,7 @@ def gloo_send(nbytes: int = 16 * 2 ** 20, message_bytes: int = 4, repeats: int =
               ) -> tuple[float, float, float, float]:
     """(latency s, bandwidth bytes/s, send overhead s, receive overhead s) of gloo sends
     between two processes here. The send overhead is what a message of
-    ``message_bytes`` (with its header) costs its sender's core; the latency is a
+    ``message_bytes`` costs its sender's core in a steady step; the latency is a
     one-value send's time, and the bandwidth what a ``nbytes`` send adds to it. The
     receive overhead is what resuming ``block``'s work after a message costs the
     receiver (0 without a block)."""

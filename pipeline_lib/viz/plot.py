@@ -11,8 +11,10 @@ from typing import Mapping, Sequence
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.colors import to_rgb
+from matplotlib.legend import Legend
+from matplotlib.legend_handler import HandlerBase
 from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
+from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import PercentFormatter
 
 from pipeline_lib.schedules import build
@@ -168,21 +170,59 @@ def _row_label(row: int, virtual: dict[tuple[int, int], int]) -> str:
     return f"rank {row}: " + ", ".join(f"s{stage}" for _, stage in held)
 
 
+ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth")
+
+
+class VirtualStageSwatch(Patch):
+    """A legend entry for one virtual stage of a rank: a strip of the action kinds'
+    colours, each as that virtual stage's boxes show it (paler and hatched after the
+    first). Drawn by `_VirtualStageHandler`, registered with matplotlib for every legend,
+    so ``ax.legend(handles=...)`` and ``fig.legend(handles=...)`` draw it alike."""
+
+    def __init__(self, colours: Sequence[tuple[float, float, float]], hatch: str, label: str):
+        super().__init__(label=label, hatch=hatch or None)
+        self.colours = list(colours)
+
+
+class _VirtualStageHandler(HandlerBase):
+    def create_artists(self, legend, orig_handle, xdescent, ydescent,  # type: ignore
+                       width, height, fontsize, trans):
+        step = width / len(orig_handle.colours)
+        strip = []
+        for j, colour in enumerate(orig_handle.colours):
+            box = Rectangle((-xdescent + j * step, -ydescent), step, height, facecolor=colour,
+                            edgecolor="none", hatch=orig_handle.get_hatch(), transform=trans)
+            box.set_hatchcolor(HATCH_COLOUR)
+            strip.append(box)
+        return strip
+
+
+Legend.update_default_handler_map({VirtualStageSwatch: _VirtualStageHandler()})
+
+
 def legend_handles(timelines: Sequence[Timeline]) -> list[Patch]:
     """The legend of `gantt` for charts of ``timelines``: the action kinds they hold, the
-    virtual stages of their ranks, idle. One legend for a figure of several charts keeps
-    every chart's time axis the same width (``gantt(..., legend=False)`` on each)."""
+    virtual stages of their ranks (each a strip of those kinds' colours as its boxes show
+    them: "first virtual stage on a rank", "second ..."), idle. One legend for a figure of
+    several charts keeps every chart's time axis the same width (``gantt(...,
+    legend=False)`` on each)."""
     events = [e for t in timelines for e in t.events]
     kinds = [k for k in KIND_COLOURS if any(e.action.kind == k for e in events)]
     per_rank = max(max(_virtual_stage_of(t).values()) + 1 for t in timelines)
-    handles = [Patch(color=KIND_COLOURS[k], label=f"{k} {KIND_NAMES[k]}") for k in kinds]
+    handles: list[Patch] = [Patch(color=KIND_COLOURS[k], label=f"{k} {KIND_NAMES[k]}")
+                            for k in kinds]
     if per_rank > 1:
-        handles += [Patch(facecolor=_lighter("#777777", 0.5 * k / (per_rank - 1)),
-                          edgecolor=HATCH_COLOUR,
-                          hatch=VIRTUAL_STAGE_HATCHES[k % len(VIRTUAL_STAGE_HATCHES)],
-                          label=f"virtual stage {k + 1} of a rank") for k in range(per_rank)]
+        handles += [VirtualStageSwatch(
+            [_lighter(KIND_COLOURS[kind], 0.5 * k / (per_rank - 1)) for kind in kinds],
+            VIRTUAL_STAGE_HATCHES[k % len(VIRTUAL_STAGE_HATCHES)],
+            f"{ORDINALS[k] if k < len(ORDINALS) else f'{k + 1}th'} virtual stage on a rank")
+            for k in range(per_rank)]
     handles.append(Patch(color=IDLE_COLOUR, label="idle"))
     return handles
+
+
+#: where `mark` puts a marker on a row: the top edge of its boxes, or the bottom one
+_EDGE = {"top": -0.4, "bottom": 0.4}
 
 
 def mark(ax: Axes, timeline: Timeline, times: Sequence[float], rows: Sequence[int],
@@ -193,8 +233,7 @@ def mark(ax: Axes, timeline: Timeline, times: Sequence[float], rows: Sequence[in
     numbers written in them; the legend gains it."""
     scale, _ = _time_scale(timeline)
     t0 = min(e.start for e in timeline.events)
-    offset = {"top": -0.4, "bottom": 0.4}[edge]
-    (line,) = ax.plot([(t - t0) * scale for t in times], [r + offset for r in rows], marker,
+    (line,) = ax.plot([(t - t0) * scale for t in times], [r + _EDGE[edge] for r in rows], marker,
                       color=colour, markersize=7, linestyle="", clip_on=False, zorder=3,
                       label=label)
     legend = ax.get_legend()
@@ -229,10 +268,10 @@ def gantt_with_messages(timeline: Timeline, rows: Sequence[Sequence[str]],
     mark(ax, timeline, *moments["SEND"], "send", marker="^", edge="bottom")
     scale, _ = _time_scale(timeline)
     t0 = min(e.start for e in timeline.events)
-    for kind, offset in (("RECV", -0.4), ("SEND", 0.4)):
+    for kind, edge in (("RECV", "top"), ("SEND", "bottom")):
         for (time, rank), count in Counter(zip(*moments[kind])).items():
             if count > 1:
-                ax.text((time - t0) * scale, rank + offset, f" {count}", ha="left",
+                ax.text((time - t0) * scale, rank + _EDGE[edge], f" {count}", ha="left",
                         va="center", fontsize=LABEL_POINTS, zorder=4, clip_on=False)
     return ax
 

@@ -22,8 +22,8 @@ from torch import nn
 from pipeline_lib.course.exercises import (ExerciseFailed, hidden_cases, ignores_namespace,
                                            withheld)
 from pipeline_lib.microbatch import gather, loss_weights, split
-from pipeline_lib.schedules import gpipe
-from pipeline_lib.timeline import bubble_theory, simulate
+from pipeline_lib.schedules import execution_order, gpipe
+from pipeline_lib.timeline import _simulate, bubble_theory, simulate
 
 
 def _require(ok: bool, message: str) -> None:
@@ -70,12 +70,14 @@ def check_split_and_gather(split_rows: Callable, gather_rows: Callable) -> None:
         _require(all(c.requires_grad for c in mine),
                  f"{case}: a micro-batch is cut off from the batch's graph (requires_grad is "
                  f"False): the backward could not reach the layers before the pipeline. Take "
-                 f"slices of the batch (indexing, torch.split, narrow), not copies made with "
-                 f"torch.tensor(...), .detach() or numpy")
+                 f"slices of the batch (indexing, torch.split, narrow), or clones autograd "
+                 f"links to it (.clone()), not copies of its values (torch.tensor(...), "
+                 f".detach(), numpy)")
         sum((c * w).sum() for c, w in zip(mine, weights.split(sizes))).backward()
         _require(batch.grad is not None and torch.equal(batch.grad, weights),
                  f"{case}: the gradient of the micro-batches does not reach each row of the "
-                 f"batch once: keep every micro-batch a slice of the batch")
+                 f"batch once: make every micro-batch from its own rows of the batch, linked "
+                 f"to it by autograd")
         pieces = [part.clone().requires_grad_() for part in library]
         with withheld(split, gather):
             joined = gather_rows(list(pieces))
@@ -176,6 +178,11 @@ FEWEST_CASES = [(4, Fraction(2, 5)), (8, Fraction(3, 10)), (4, Fraction(1, 5)),
                 (1, Fraction(1, 10))]
 
 
+#: The simulator, with what it runs on: `_simulate` times the actions in the order
+#: `execution_order` gives, and a learner could call the two directly.
+SIMULATOR = (simulate, _simulate, execution_order)
+
+
 def _gpipe_bubble(p: int, m: int) -> float:
     return simulate(gpipe(p, m)).bubble_fraction()
 
@@ -185,8 +192,9 @@ def check_bubble_formulas(naive_utilisation: Callable, fewest_microbatches: Call
     """Exercise 1.3: against the simulator, at targets that are not 1/k (where rounding
     down and rounding up part ways: p = 4 at 2/5 needs 5, not 4), and at ranks and targets
     drawn for this run. Any real number is a utilisation (a float, a `Fraction`); the
-    simulator and `bubble_theory` are withheld while the learner's functions run."""
-    library = (simulate, bubble_theory)
+    simulator (its private engine and the order it times included) and `bubble_theory`
+    are withheld while the learner's functions run."""
+    library = (*SIMULATOR, bubble_theory)
     ranks = list(range(1, 9)) + hidden_cases(lambda rng: rng.randint(9, 64), 3,
                                              shown=range(1, 9))
     for p in ranks:
@@ -240,7 +248,7 @@ def check_unequal_gpipe(gpipe_step_time: Callable) -> None:
     for forward, backward, m in shown + hidden_cases(_pipeline, 5, shown=shown):
         expected = simulate(gpipe(len(forward), m), forward=list(forward),
                             backward=list(backward)).makespan
-        with withheld(simulate, gpipe, "pipeline_lib.schedules"):
+        with withheld(*SIMULATOR, gpipe, "pipeline_lib.schedules"):
             mine = gpipe_step_time(list(forward), list(backward), m)
         _require(isinstance(mine, numbers.Real) and math.isfinite(mine),
                  f"gpipe_step_time must return a number, got {mine!r}")

@@ -20,11 +20,13 @@ from torch import nn
 from pipeline_lib.course.exercises import (ExerciseFailed, hidden_cases, ignores_namespace,
                                            withheld)
 from pipeline_lib.schedules import (BUILDERS, Schedule, ScheduleError, build,
-                                    one_f_one_b, validate, zb_h1)
-from pipeline_lib.timeline import rank_facts, simulate
+                                    execution_order, one_f_one_b, validate, zb_h1)
+from pipeline_lib.timeline import _simulate, rank_facts, simulate
 
-# what computes ZB-H1 or its timeline for the learner
+# what computes ZB-H1 for the learner
 SCHEDULE_FUNCTIONS = (*BUILDERS.values(), build, "pipeline_lib.course.pytorch_schedules")
+# what times it: the simulator, its private engine and the order that engine times
+SIMULATOR = (simulate, _simulate, execution_order, rank_facts)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -47,13 +49,14 @@ def _costs(rng: Any) -> tuple[int, float, float, float]:
 def check_zb_h1_bubble(zb_h1_bubble: Callable) -> None:
     """Exercise 2b.1: ZB-H1's idle time per rank against the simulator's, at p = 2, 3, 4,
     for costs inside and outside the published formula's W ≤ I ≤ F, and at ranks and costs
-    drawn for this run. A message names the learner's value, never the simulator's."""
+    drawn for this run, each with m = 3p micro-batches (the formula holds from m = p on).
+    A message names the learner's value, never the simulator's."""
     shown = [(p, *costs) for p in (2, 3, 4) for costs in BUBBLE_COSTS]
     for p, f, i, w in shown + hidden_cases(_costs, 8, shown=shown):
         schedule = zb_h1(p, 3 * p)
         timeline = simulate(schedule, forward=f, backward=i + w, weight=w)
         simulated = max(r.bubble for r in rank_facts(schedule, timeline))
-        with withheld(simulate, rank_facts, *SCHEDULE_FUNCTIONS):
+        with withheld(*SIMULATOR, *SCHEDULE_FUNCTIONS):
             yours = zb_h1_bubble(p, f, i, w)
         _require(isinstance(yours, numbers.Real) and not isinstance(yours, bool),
                  f"zb_h1_bubble must return a number, got {yours!r}")
@@ -101,8 +104,9 @@ def check_my_zb_h1(my_zb_h1: Callable) -> None:
                  f"wait too long")
         target = simulate(zb_h1(p, m), **costs).makespan
         _require(abs(t.makespan - target) < 1e-9,
-                 f"p={p}, m={m}: your step takes {t.makespan:g} cost units, ZB-H1's "
-                 f"{target:g}: check the weight lag of each stage")
+                 f"p={p}, m={m}: your step takes {t.makespan:g} cost units, "
+                 f"{'longer' if t.makespan > target else 'shorter'} than ZB-H1's: check the "
+                 f"weight lag of each stage")
 
 
 class _Watch:
@@ -142,11 +146,31 @@ class _Watch:
             handle.remove()
 
 
-def _stages() -> Iterator[nn.Module]:
+#: The notebook's two stages: (rows of a micro-batch, widths), a GELU between two Linears,
+#: then a bias-free Linear, Tanh, Linear, ReLU, Linear.
+SHOWN_STAGES = [(5, (6, 8, 4)), (5, (4, 4, 3, 3))]
+
+
+def _stage(widths: tuple[int, ...]) -> nn.Module:
+    if len(widths) == 3:
+        a, b, c = widths
+        return nn.Sequential(nn.Linear(a, b), nn.GELU(), nn.Linear(b, c))
+    a, b, c, d = widths
+    return nn.Sequential(nn.Linear(a, b, bias=False), nn.Tanh(), nn.Linear(b, c),
+                         nn.ReLU(), nn.Linear(c, d))
+
+
+def _stage_case(rng: Any) -> tuple[int, tuple[int, ...]]:
+    """Rows and widths of a stage drawn for this run, of either shape."""
+    return rng.randint(2, 9), tuple(rng.randint(2, 9) for _ in range(rng.choice([3, 4])))
+
+
+def _stages() -> Iterator[tuple[nn.Module, int]]:
+    """The notebook's two stages, then two of sizes drawn for this run: each with the rows
+    of its micro-batch."""
     torch.manual_seed(0)
-    yield nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 4))
-    yield nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 3),
-                        nn.ReLU(), nn.Linear(3, 3))
+    for rows, widths in SHOWN_STAGES + hidden_cases(_stage_case, 2, shown=SHOWN_STAGES):
+        yield _stage(widths), rows
 
 
 def _answer_problem(answer: Any, x: torch.Tensor, params: list[nn.Parameter]) -> str:
@@ -172,11 +196,12 @@ def check_input_then_weight(input_then_weight: Callable) -> None:
     compute every weight's gradient and not the input's again, nothing left in ``.grad``,
     and both results equal to autograd's full backward. How the passes are started is
     free (``torch.autograd.grad(y, ..., g)``, ``(y * g).sum()``...): autograd hooks see
-    what each pass computes."""
-    for stage in _stages():
+    what each pass computes. On the notebook's two stages and on two of sizes drawn for
+    this run."""
+    for stage, rows in _stages():
         reference = copy.deepcopy(stage)
-        x = torch.randn(5, stage[0].in_features)
-        g = torch.randn(5, stage[-1].out_features)
+        x = torch.randn(rows, stage[0].in_features)
+        g = torch.randn(rows, stage[-1].out_features)
         xr = x.clone().requires_grad_()
         expected = torch.autograd.grad(reference(xr), [xr, *reference.parameters()], g)
         params = list(stage.parameters())

@@ -15,6 +15,7 @@ inside ``exercise("Exercise 3.N (...)")``, which prefixes the exercise's name.
 from __future__ import annotations
 
 import math
+import numbers
 import signal
 import statistics
 import threading
@@ -29,7 +30,7 @@ from pipeline_lib.course.exercises import (ExerciseFailed, hidden_cases, ignores
 from pipeline_lib.lm.data import get_batch
 from pipeline_lib.lm.loops import evaluate, lm_loss
 from pipeline_lib.partition import (balance_by_memory, balance_by_params, balance_by_time,
-                                    check_balance, optimal_split, stage_costs)
+                                    optimal_split, stage_costs)
 
 __all__ = ["UNEVEN_COSTS", "LONG_COSTS", "check_fastest_balance", "check_token_weighted_loss",
            "check_partitioner"]
@@ -66,14 +67,34 @@ _ANSWERS = (optimal_split, balance_by_params, balance_by_time, balance_by_memory
 
 
 def _checked_balance(balance: Any, costs: Sequence[float], stages: int, case: str) -> list[int]:
-    try:
-        counts = check_balance(balance, len(costs))
-    except (TypeError, ValueError) as invalid:
-        raise ExerciseFailed(f"{case}: {invalid}") from None
+    """The learner's balance as a list of ints: any sequence of whole numbers counts (a
+    list, a tuple, a numpy array of ints, a tensor of ints), one per stage, each at least
+    1, covering every layer once. The messages name what is wrong with it, not a library
+    function that would compute one (those are withheld here)."""
+    if isinstance(balance, torch.Tensor):
+        balance = balance.tolist()
+    not_counts = (str, bytes, Mapping, set, frozenset)   # text, or no order
+    if isinstance(balance, not_counts) or not hasattr(balance, "__iter__"):
+        raise ExerciseFailed(f"{case}: return a balance, one layer count per stage (a list "
+                             f"such as [3, 2, 2]), got {type(balance).__name__}")
+    counts = list(balance)
+    wrong = [c for c in counts if isinstance(c, bool) or not isinstance(c, numbers.Integral)]
+    if wrong:
+        raise ExerciseFailed(f"{case}: your balance holds {wrong[0]!r} "
+                             f"({type(wrong[0]).__name__}): a stage's layer count is a whole "
+                             f"number")
+    counts = [int(c) for c in counts]
     if len(counts) != stages:
         raise ExerciseFailed(f"{case}: your balance {counts} has {len(counts)} stages; "
                              f"return one layer count per stage, {stages} in all (every "
                              f"stage at least one layer)")
+    if min(counts) < 1:
+        raise ExerciseFailed(f"{case}: your balance {counts} gives a stage {min(counts)} "
+                             f"layers: every stage needs at least one")
+    if sum(counts) != len(costs):
+        raise ExerciseFailed(f"{case}: your balance {counts} covers {sum(counts)} layers, "
+                             f"but there are {len(costs)}: each layer goes to exactly one "
+                             f"stage")
     return counts
 
 

@@ -4,14 +4,17 @@
 stage of its own, so the stashed tensor has to cross stages, with a layer *before* the
 stash: a stash that detaches its tensor, or passes it some other way than ``stash`` /
 ``pop``, leaves that layer's gradient or the output wrong. 3b.2 compares predicted running
-means with those a `Pipe` leaves, measured before the learner's call, on batches that
-`Pipe` splits unevenly (11 rows in 4 micro-batches: 3, 3, 3, 2), so that weighing
-micro-batches equally gives another number, and on batches of sizes drawn for every run
-(no message prints the running means the pipeline leaves). Both `Pipe`s and both
+means with those the notebook's classic `Pipe` (`pipeline_lib.sync.Pipe`, which splits a
+batch as ``torch.chunk`` does) leaves, measured before the learner's call: on batches it
+splits unevenly (11 rows in 4 micro-batches: 3, 3, 3, 2), so that weighing micro-batches
+equally gives another number; on 14 rows in 4 (4, 4, 4, 2), where the core `Pipe`'s
+`pipeline_lib.microbatch.split` would make 4, 4, 3, 3, so that an answer that splits the
+other way fails on every run; and on batches of sizes drawn for every run (no message
+prints the running means the pipeline leaves). Both `Pipe`s and both
 `DeferredBatchNorm`s (the classic API's is a subclass, a class of its own) are refused
 during the learner's call, however reached: running them is what the prediction must do
-without. A plain ``nn.BatchNorm1d`` is
-not: feeding it the rows each update sees is the prediction.
+without. A plain ``nn.BatchNorm1d`` is not: feeding it the rows each update sees is the
+prediction.
 """
 from __future__ import annotations
 
@@ -25,7 +28,6 @@ from torch import nn
 from pipeline_lib.batchnorm import DeferredBatchNorm
 from pipeline_lib.course.exercises import (ExerciseFailed, hidden_cases, ignores_namespace,
                                            withheld)
-from pipeline_lib.microbatch import split
 from pipeline_lib.skip import Skippable
 from pipeline_lib.sync import Pipe as ClassicPipe
 from pipeline_lib.sync.batchnorm import DeferredBatchNorm as ClassicDeferredBatchNorm
@@ -99,34 +101,44 @@ def check_skip_pair(stash_input: Callable[[nn.Module], nn.Module],
 def running_means_after_a_step(x: torch.Tensor, chunks: int, momentum: float,
                                deferred: bool) -> torch.Tensor:
     """The running mean a ``BatchNorm1d`` (fresh: running mean 0) holds after one training
-    step of a `Pipe` over ``x`` in ``chunks`` micro-batches, checkpointing every one."""
-    norm = nn.BatchNorm1d(x.size(1), momentum=momentum)
-    pipe = Pipe(nn.Sequential(norm, nn.Identity()), chunks, checkpoint="always",
-                balance=[1, 1], devices=["cpu", "cpu"], deferred_batch_norm=deferred)
-    pipe.step(x, torch.zeros(len(x)), lambda output, _: output.sum())
-    return pipe.partitions[0][0].running_mean.clone()
+    step of the notebook's classic `Pipe` over ``x`` in ``chunks`` micro-batches (as
+    ``x.chunk(chunks)`` cuts it), checkpointing every one."""
+    pipe = ClassicPipe(nn.Sequential(nn.BatchNorm1d(x.size(1), momentum=momentum),
+                                     nn.Identity()),
+                       chunks=chunks, checkpoint="always", deferred_batch_norm=deferred)
+    pipe(x).local_value().sum().backward()
+    norm = next(m for m in pipe.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    return norm.running_mean.clone()
 
 
 def _batch(rng: Any) -> tuple[int, int, int, float]:
-    rows = rng.randint(5, 20)
-    return rows, rng.randint(1, 4), rng.randint(2, min(rows // 2, 6)), rng.choice([0.1, 0.2, 0.5])
+    """Rows, features, chunks and momentum of a batch drawn for this run: every
+    micro-batch ``torch.chunk`` makes has 2 rows or more (BatchNorm's training forward
+    needs them)."""
+    while True:
+        rows = rng.randint(5, 20)
+        chunks = rng.randint(2, min(rows // 2, 6))
+        if min(len(c) for c in torch.empty(rows).chunk(chunks)) >= 2:
+            return rows, rng.randint(1, 4), chunks, rng.choice([0.1, 0.2, 0.5])
 
 
 @ignores_namespace(1)
 def check_running_means(predict: Callable[[torch.Tensor, int, float], Any]) -> None:
     """Exercise 3b.2: ``predict(x, chunks, momentum)`` returns ``(plain, deferred)``, the
-    running means after one step with plain BatchNorm and with `DeferredBatchNorm`, on the
-    notebook's two batches and on batches of sizes drawn for this run (where ``x.chunk``
-    and `split` need not agree)."""
+    running means after one step of the classic `Pipe` with plain BatchNorm and with
+    `DeferredBatchNorm`, on the notebook's three batches (14 rows in 4, where
+    ``x.chunk`` and `pipeline_lib.microbatch.split` cut differently, among them) and on
+    batches of sizes drawn for this run."""
     torch.manual_seed(0)
     cases = [(torch.randn(11, 3) * 2 + torch.tensor([1.0, -3.0, 0.5]), 4, 0.1),
-             (torch.randn(8, 2) + 4, 3, 0.3)]
+             (torch.randn(8, 2) + 4, 3, 0.3),
+             (torch.randn(14, 2) * 3 - 1, 4, 0.2)]
     cases += [(torch.randn(rows, features) * 3 + 1, chunks, momentum)
               for rows, features, chunks, momentum in hidden_cases(_batch, 2)]
     expected = [(running_means_after_a_step(x, m, p, False),
                  running_means_after_a_step(x, m, p, True)) for x, m, p in cases]
     for (x, chunks, momentum), (plain, deferred) in zip(cases, expected):
-        sizes = [len(c) for c in split(x, chunks)]
+        sizes = [len(c) for c in x.chunk(chunks)]
         case = f"{len(x)} rows in micro-batches of {sizes}, momentum {momentum}"
         with withheld(Pipe, ClassicPipe, DeferredBatchNorm, ClassicDeferredBatchNorm):
             answer = predict(x.clone(), chunks, momentum)

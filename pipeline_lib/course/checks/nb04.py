@@ -3,7 +3,7 @@
 Each ``check_4_N`` calls the learner's function on inputs where the usual mistakes give
 different numbers, and, where the numbers alone cannot tell, watches *how* the answer
 works: 4.1 records every call of the generator (which replica, how many rows and
-positions), 4.3 records the size of every tensor PyTorch makes. The library functions
+positions), 4.3 the shape of every tensor PyTorch makes. The library functions
 that compute the answer are withheld during the learner's call. A failed check raises
 `ExerciseFailed`; the notebook's ``with exercise(...)`` prefixes the exercise's name.
 """
@@ -63,8 +63,9 @@ class RecordingLinear(nn.Linear):
 
 
 class _CountedBody(torch.autograd.Function):
-    """The identity, standing in for the decoder that computed ``features``: its backward
-    logs each pass, and a chunked loss must run the decoder's backward once, not per chunk."""
+    """The identity, standing in for the body (embedding and blocks) that computed
+    ``features``: its backward logs each pass, and a chunked loss must run the body's
+    backward once, not per chunk."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, log: list[int]) -> Tensor:
@@ -89,7 +90,7 @@ def check_4_1(scattered_chunked_loss: Callable[..., Any]) -> None:
     gradients equal the plain loss's; every generator call ran on one device's replica,
     with at most that device's rows and ``chunk`` positions, ceil(positions / chunk) calls
     per device, each chunk backpropagated before the next was projected; and the backward
-    ran once through what computed ``features`` (a stand-in for the decoder). On the
+    ran once through what computed ``features`` (a stand-in for the body). On the
     notebook's batch of 5 rows × 7 positions, and on a batch, devices and chunk drawn for
     this run."""
     shown = [(5, 7, 2, 3), (5, 7, 3, 2)]
@@ -111,7 +112,7 @@ def check_4_1(scattered_chunked_loss: Callable[..., Any]) -> None:
         start_generator.order.clear()
         leaf, generator, body = (features.clone().requires_grad_(),
                                  copy.deepcopy(start_generator), [])
-        mine = _CountedBody.apply(leaf, body)      # the decoder output, as in a real model
+        mine = _CountedBody.apply(leaf, body)      # the body's output, as in a real model
         with withheld(*_withheld_4_1()):
             loss = scattered_chunked_loss(mine, generator, target, devices, chunk)
         _require(isinstance(loss, (float, int, Tensor)) and not isinstance(loss, bool)
@@ -123,12 +124,12 @@ def check_4_1(scattered_chunked_loss: Callable[..., Any]) -> None:
         _check_calls(calls, id(generator), rows, positions, len(devices), chunk, setup)
         _check_order(list(start_generator.order), setup)
         _require(len(body) == 1,
-                 f"{setup}: the backward ran {len(body)} times through the decoder that "
+                 f"{setup}: the backward ran {len(body)} times through the body that "
                  f"computed features (here a stand-in that counts): "
                  + ("call features.backward(...) once, with the gathered gradient of all "
                     "devices' rows (concatenated along dim 0)" if not body else
                     "cut each device's rows off the graph (.detach().requires_grad_()), "
-                    "backpropagate the chunks into those cuts, and then the decoder once, "
+                    "backpropagate the chunks into those cuts, and then the body once, "
                     "features.backward(gathered gradient)"))
         _check_loss_4_1(loss, expected.item(), features, target, start_generator, devices,
                         chunk, setup)
@@ -256,19 +257,20 @@ def _check_average(average_gradients: Callable[[list[nn.Module]], None], count: 
 
 # -- 4.3: vocabulary-parallel cross-entropy ----------------------------------------------------
 
-class LargestTensor(TorchDispatchMode):
-    """The most elements of any tensor an operation made inside the block, backward
-    included, and the shape it had: does any "device" ever hold the whole logits?"""
+class LongestDimension(TorchDispatchMode):
+    """The longest dimension of any tensor an operation made inside the block, backward
+    included, and that tensor's shape: does any "device" ever hold the logits of more ids
+    than its shard?"""
 
     def __init__(self) -> None:
         super().__init__()
-        self.numel, self.shape = 0, ()
+        self.length, self.shape = 0, ()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, Tensor) and t.numel() > self.numel:
-                self.numel, self.shape = t.numel(), tuple(t.shape)
+            if isinstance(t, Tensor) and t.dim() and max(t.shape) > self.length:
+                self.length, self.shape = max(t.shape), tuple(t.shape)
         return out
 
 
@@ -278,71 +280,84 @@ def _close(got: Tensor, want: Tensor) -> bool:
     return torch.allclose(got, want, rtol=1e-4, atol=1e-4 * max(1.0, want.abs().max().item()))
 
 
-def vocab_shards(decoder: nn.Linear, sizes: list[int]) -> list[nn.Linear]:
-    """``decoder`` cut by vocabulary rows into shards of ``sizes`` ids, in order: shard k
-    holds ids ``sum(sizes[:k]) .. sum(sizes[:k + 1]) - 1``, as a device would."""
-    if sum(sizes) != decoder.out_features:
+def vocab_shards(projection: nn.Linear, sizes: list[int]) -> list[nn.Linear]:
+    """``projection`` (to the vocabulary) cut by vocabulary rows into shards of ``sizes``
+    ids, in order: shard k holds ids ``sum(sizes[:k]) .. sum(sizes[:k + 1]) - 1``, as a
+    device would."""
+    if sum(sizes) != projection.out_features:
         raise ValueError(f"the shards' sizes {sizes} add up to {sum(sizes)}, not the "
-                         f"decoder's vocabulary of {decoder.out_features}")
+                         f"projection's vocabulary of {projection.out_features}")
     shards, start = [], 0
     for size in sizes:
-        shard = nn.Linear(decoder.in_features, size)
+        shard = nn.Linear(projection.in_features, size)
         with torch.no_grad():
-            shard.weight.copy_(decoder.weight[start:start + size])
-            shard.bias.copy_(decoder.bias[start:start + size])
+            shard.weight.copy_(projection.weight[start:start + size])
+            shard.bias.copy_(projection.bias[start:start + size])
         shards.append(shard)
         start += size
     return shards
 
 
+#: The notebook's case: shards of 23 and 27 ids, 24 tokens of width 8.
+SHOWN_4_3 = ((23, 27), 24, 8)
+
+
+def _vocab_case(rng: Any) -> tuple[tuple[int, ...], int, int]:
+    """Shard sizes, tokens and width drawn for this run: 2 to 4 shards of 8 to 30 ids, and
+    neither the tokens nor the width longer than the largest shard (so that only logits
+    of more ids than a shard's can break the rule), at least 8 tokens (every shard's
+    first and last id among the targets)."""
+    sizes = tuple(rng.randint(8, 30) for _ in range(rng.randint(2, 4)))
+    return sizes, rng.randint(8, max(sizes)), rng.randint(2, min(12, max(sizes)))
+
+
 @ignores_namespace(1)
 def check_4_3(vocab_parallel_cross_entropy: Callable[..., Tensor]) -> None:
     """Exercise 4.3: the loss and every gradient equal ``F.cross_entropy`` on the whole
-    decoder's logits, for moderate logits and for logits too large for ``exp`` in float32;
-    and no tensor as large as the whole logits is ever made, forward or backward. On the
-    notebook's two shards of 23 and 27 ids, and on 2 to 4 shards of sizes drawn for this
-    run."""
-    shown = [(23, 27)]
-    drawn = hidden_cases(lambda rng: tuple(rng.randint(5, 30) for _ in range(rng.randint(2, 4))),
-                         1, shown=shown)
-    for sizes in shown + drawn:
+    projection's logits, for moderate logits and for logits too large for ``exp`` in
+    float32; and no tensor made, forward or backward, has a dimension longer than the
+    largest shard (the whole vocabulary, for one token or for some, is longer; the tokens
+    and the width are not). On the notebook's two shards of 23 and 27 ids, and on 2 to 4
+    shards, tokens and a width drawn for this run."""
+    for sizes, tokens, width in [SHOWN_4_3] + hidden_cases(_vocab_case, 1, shown=[SHOWN_4_3]):
         for scale, what in [(1.0, "moderate logits"), (1000.0, "logits in the thousands")]:
-            _check_vocab_parallel(vocab_parallel_cross_entropy, list(sizes), scale,
-                                  f"{len(sizes)} shards of {list(sizes)} ids, {what}")
+            _check_vocab_parallel(vocab_parallel_cross_entropy, list(sizes), tokens, width,
+                                  scale, f"{len(sizes)} shards of {list(sizes)} ids, {tokens} "
+                                         f"tokens of width {width}, {what}")
 
 
 def _check_vocab_parallel(vocab_parallel_cross_entropy: Callable[..., Tensor],
-                          sizes: list[int], scale: float, what: str) -> None:
-    tokens, width = 24, 8                      # width < tokens: only logits reach tokens × V
-    vocab = sum(sizes)
+                          sizes: list[int], tokens: int, width: int, scale: float,
+                          what: str) -> None:
+    vocab, largest_shard = sum(sizes), max(sizes)
     starts = [sum(sizes[:k]) for k in range(len(sizes))]
     torch.manual_seed(1)
-    decoder = nn.Linear(width, vocab)
+    projection = nn.Linear(width, vocab)
     with torch.no_grad():
-        decoder.weight.mul_(scale)
+        projection.weight.mul_(scale)
     features = torch.randn(tokens, width)
     target = torch.randint(0, vocab, (tokens,))
     edges = sorted({0, vocab - 1, *starts, *(a - 1 for a in starts[1:])})[:tokens]
     target[:len(edges)] = torch.tensor(edges)             # every shard's first and last id
     plain_in = features.clone().requires_grad_()
-    expected = F.cross_entropy(decoder(plain_in), target)
+    expected = F.cross_entropy(projection(plain_in), target)
     expected.backward()
     mine = features.clone().requires_grad_()
-    shards = vocab_shards(decoder, sizes)
-    largest = LargestTensor()
-    with withheld(vocab_shards), largest:
+    shards = vocab_shards(projection, sizes)
+    longest = LongestDimension()
+    with withheld(vocab_shards), longest:
         loss = vocab_parallel_cross_entropy(mine, shards, target)
         _require(isinstance(loss, Tensor) and loss.dim() == 0 and loss.requires_grad,
                  f"return the mean loss as a 0-dim tensor still attached to the graph "
                  f"(so that .backward() reaches the shards), got {loss!r}"[:300])
         loss.backward()
-    full = tokens * vocab
-    _require(largest.numel < full,
-             f"{what}: a tensor of shape {list(largest.shape)} ({largest.numel:,} "
-             f"values) was made: as large as the whole logits [{tokens}, {vocab}]. Each "
-             f"device may hold only its own shard's logits, [{tokens}, its ids]; combine "
-             f"per-token numbers ([{tokens}] each: a max, a sum of exponentials, the target's "
-             f"logit) across the devices instead")
+    _require(longest.length <= largest_shard,
+             f"{what}: a tensor of shape {list(longest.shape)} was made, a "
+             f"dimension of {longest.length}, longer than the largest shard's "
+             f"{largest_shard} ids: the logits of more ids than one device holds (or a "
+             f"shard's logits flattened). Each device may hold only its own shard's "
+             f"logits, [{tokens}, its ids]; combine per-token numbers ([{tokens}] each: a "
+             f"max, a sum of exponentials, the target's logit) across the devices instead")
     got = loss.item()
     _require(math.isfinite(got),
              f"{what}: your loss is {got}: exp of a logit in the thousands overflows "
@@ -358,10 +373,10 @@ def _check_vocab_parallel(vocab_parallel_cross_entropy: Callable[..., Tensor],
     for k, shard in enumerate(shards):
         for name in ("weight", "bias"):
             grad = getattr(shard, name).grad
-            want = getattr(decoder, name).grad[starts[k]:starts[k] + sizes[k]]
+            want = getattr(projection, name).grad[starts[k]:starts[k] + sizes[k]]
             _require(grad is not None and _close(grad, want),
                      f"{what}: shard {k}'s {name} gradient differs from that slice of "
-                     f"the whole decoder's: build the loss from every shard's logits, "
+                     f"the whole projection's: build the loss from every shard's logits, "
                      f"so the backward reaches each shard")
     _require(mine.grad is not None and _close(mine.grad, plain_in.grad),
              f"{what}: the gradient of the features differs from F.cross_entropy's: "

@@ -138,7 +138,8 @@ def check_5_1(place_ranks: Callable[..., Any]) -> None:
     """Exercise 5.1: for every job (the notebook's four, and three drawn for this run), a
     valid 2 × 2 grid that communicates no longer than the cheapest one. The grader's cost
     model is withheld while ``place_ranks`` runs; a message gives the learner's grid and
-    how much longer it communicates, not the cheapest grid."""
+    its seconds, not the cheapest grid or its seconds (on 2 × 2 ranks there are only two
+    kinds of grid, so either would give the answer away)."""
     cluster = CLUSTER_5_1
     jobs = list(jobs_5_1().items()) + hidden_cases(_job, 3)
     for job, (all_reduce, pipeline) in jobs:
@@ -155,63 +156,126 @@ def check_5_1(place_ranks: Callable[..., Any]) -> None:
                  f"{job} ({all_reduce / 1e6:,.0f} MB all-reduced, {pipeline / 1e6:,.0f} MB "
                  f"through each pipeline boundary per step): pipelines {grid[0]} with DDP "
                  f"groups {grid[1]} communicate {sum(mine) * 1e3:.2f} ms per step "
-                 f"({mine[0] * 1e3:.2f} pipeline + {mine[1] * 1e3:.2f} all-reduce), "
-                 f"{sum(mine) / sum(least):.2f} times what another grid takes: compare the "
-                 f"grids' seconds, bytes / bandwidth, rather than using a rule of thumb")
+                 f"({mine[0] * 1e3:.2f} pipeline + {mine[1] * 1e3:.2f} all-reduce), and "
+                 f"another grid communicates less. Cost each grid you consider the same "
+                 f"way, every group's bytes over the bandwidth of its slowest link, rather "
+                 f"than with a rule of thumb")
 
 
 # -- 5.2: bytes per step, counted --------------------------------------------------------------
 
-def cases_5_2() -> dict[str, tuple[list[nn.Module], Tensor, int, list[int], list[int], int]]:
-    """name: (stages, micro-batch, micro-batches, parameters per stage, values per activation at
-    each boundary, bytes per value): a small Transformer LM cut in two, and a 3-stage
-    float64 MLP (8-byte values: an answer that assumes 4 bytes fails)."""
+Case52 = tuple[list[nn.Module], Tensor, int, list[int], list[int], int]
+
+
+def _frozen(module: nn.Module, name: str) -> nn.Module:
+    module.get_parameter(name).requires_grad_(False)
+    return module
+
+
+def _trainable(stage: nn.Module) -> int:
+    return sum(p.numel() for p in stage.parameters() if p.requires_grad)
+
+
+def _mlp_case(widths: tuple[int, ...], rows: int, microbatches: int, dtype: torch.dtype,
+              frozen: str) -> Case52:
+    """A 3-stage MLP ``Linear, BatchNorm1d, ReLU | Linear | Linear`` of ``widths``, its
+    parameter ``frozen`` frozen: the BatchNorm's running statistics are buffers, and the
+    frozen parameter has no gradient, so neither is all-reduced."""
+    a, b, c, d = widths
+    mlp = _frozen(nn.Sequential(nn.Linear(a, b), nn.BatchNorm1d(b), nn.ReLU(), nn.Linear(b, c),
+                                nn.Linear(c, d)).to(dtype), frozen)
+    stages = [mlp[0:3], mlp[3:4], mlp[4:5]]
+    size = torch.empty((), dtype=dtype).element_size()
+    return (stages, torch.zeros(rows, a, dtype=dtype), microbatches,
+            [_trainable(stage) for stage in stages], [rows * b, rows * c], size)
+
+
+def cases_5_2() -> dict[str, Case52]:
+    """name: (stages, micro-batch, micro-batches, trainable parameters per stage, values
+    per activation at each boundary, bytes per value): a small Transformer LM cut in two,
+    and a 3-stage float64 MLP (8-byte values: an answer that assumes 4 bytes fails) with a
+    BatchNorm (buffers) and a frozen bias (no gradient)."""
     from pipeline_lib.lm.model import transformer_lm
     from pipeline_lib.partition import layer_params
     torch.manual_seed(0)
     lm = transformer_lm(vocab_size=300, d_model=16, nhead=2, d_hid=32, nlayers=2, dropout=0.0)
     sizes = layer_params(lm)
-    mlp = nn.Sequential(nn.Linear(10, 40), nn.ReLU(), nn.Linear(40, 24),
-                        nn.Linear(24, 3)).double()
     return {
         "a small Transformer LM in 2 stages": (
             [lm[0:3], lm[3:]], torch.randint(0, 300, (2, 7)), 4,
             [sum(sizes[:3]), sum(sizes[3:])], [2 * 7 * 16], 4),
-        "the float64 MLP in 3 stages": (
-            [mlp[0:2], mlp[2:3], mlp[3:4]], torch.zeros(5, 10, dtype=torch.float64), 6,
-            [10 * 40 + 40, 40 * 24 + 24, 24 * 3 + 3], [5 * 40, 5 * 24], 8)}
+        "the float64 MLP in 3 stages (a BatchNorm, a frozen bias)":
+            _mlp_case((10, 40, 24, 3), 5, 6, torch.float64, "3.bias")}
+
+
+def _drawn_5_2(rng: Any) -> tuple[tuple[int, ...], int, int, str, str, int]:
+    """An MLP drawn for this run: widths, rows per micro-batch, micro-batches, element
+    type, the parameter frozen, and dp."""
+    return (tuple(rng.randint(2, 48) for _ in range(4)), rng.randint(2, 9), rng.randint(1, 16),
+            rng.choice(["float32", "float64", "bfloat16"]),
+            rng.choice(["0.weight", "0.bias", "3.weight", "3.bias", "4.weight", "4.bias"]),
+            rng.randint(2, 16))
+
+
+def _bytes_problem(got: float, want: float, whats: dict[str, float]) -> str:
+    """Which known mistake ``got`` is ("" if none): ``whats`` maps a hint to the bytes that
+    mistake gives; the right count is never said."""
+    return next((f" ({hint})" for hint, wrong in whats.items()
+                 if wrong != want and math.isclose(got, wrong)), "")
 
 
 @ignores_namespace(1)
 def check_5_2(step_bytes: Callable[..., Any]) -> None:
-    """Exercise 5.2: the bytes match the parameter counts and activation shapes, for
-    ``dp`` = 2 and 4 and a ``dp`` drawn for this run, 4-byte and 8-byte values. A message
-    says how far off a count is, not the count."""
-    dps = [2, 4] + hidden_cases(lambda rng: rng.randint(3, 16), 1, shown=[2, 4])
-    for name, (stages, micro, microbatches, params, widths, size) in cases_5_2().items():
-        for dp in dps:
-            answer = step_bytes(stages, micro, microbatches, dp)
-            _require(isinstance(answer, (tuple, list)) and len(answer) == 2
-                     and all(isinstance(part, (tuple, list)) for part in answer),
-                     f"return a pair (all_reduce, boundary) of lists, got {answer!r}"[:300])
-            all_reduce, boundary = answer
-            _require(len(all_reduce) == len(stages) and len(boundary) == len(stages) - 1,
-                     f"{name}: {len(stages)} stages have {len(stages)} all-reduces and "
-                     f"{len(stages) - 1} boundaries, got {len(all_reduce)} and {len(boundary)}")
-            for s, got in enumerate(all_reduce):
-                want = 2 * (dp - 1) / dp * params[s] * size
-                _require(math.isclose(got, want),
-                         f"{name}, dp = {dp}: all_reduce[{s}] is {got:,.0f} bytes, "
-                         f"{got / want:.3g} times what each rank of a ring all-reduce sends: "
-                         f"2(dp − 1)/dp × the stage's gradients × their bytes each (these "
-                         f"are {size} bytes)")
-            for s, got in enumerate(boundary):
-                want = 2 * microbatches * widths[s] * size
-                _require(math.isclose(got, want),
-                         f"{name}: boundary[{s}] is {got:,.0f} bytes, {got / want:.3g} times "
-                         f"what crosses it: 2 (forward and backward) × {microbatches} "
-                         f"micro-batches × the values of one activation × their bytes each "
-                         f"({size} bytes here)")
+    """Exercise 5.2: the bytes match the trainable parameters and the activation shapes:
+    on the notebook's two pipelines for ``dp`` = 2 and 4, 4-byte and 8-byte values (the
+    MLP with a BatchNorm's buffers and a frozen bias, neither of which is all-reduced);
+    then on an MLP whose widths, micro-batch, number of micro-batches, element type,
+    frozen parameter and ``dp`` are drawn for this run. A message says whether a count is
+    too large or too small and which mistake it looks like, never the count."""
+    widths, rows, microbatches, dtype, frozen, dp = hidden_cases(_drawn_5_2, 1)[0]
+    drawn = _mlp_case(widths, rows, microbatches, getattr(torch, dtype), frozen)
+    cases = [(name, case, dp_) for name, case in cases_5_2().items() for dp_ in (2, 4)]
+    cases.append((f"an MLP drawn for this run (widths {list(widths)}, {rows} rows per "
+                  f"micro-batch, {microbatches} micro-batches, {dtype}, {frozen} frozen)",
+                  drawn, dp))
+    for name, (stages, micro, microbatches, params, values, size), dp in cases:
+        answer = step_bytes(stages, micro.clone(), microbatches, dp)
+        _require(isinstance(answer, (tuple, list)) and len(answer) == 2
+                 and all(isinstance(part, (tuple, list)) for part in answer),
+                 f"return a pair (all_reduce, boundary) of lists, got {answer!r}"[:300])
+        all_reduce, boundary = answer
+        _require(len(all_reduce) == len(stages) and len(boundary) == len(stages) - 1,
+                 f"{name}: {len(stages)} stages have {len(stages)} all-reduces and "
+                 f"{len(stages) - 1} boundaries, got {len(all_reduce)} and {len(boundary)}")
+        ring = 2 * (dp - 1) / dp
+        for s, got in enumerate(all_reduce):
+            want = ring * params[s] * size
+            every = sum(p.numel() for p in stages[s].parameters())
+            buffers = sum(b.numel() for b in stages[s].buffers() if b.is_floating_point())
+            _require(math.isclose(got, want),
+                     f"{name}, dp = {dp}: all_reduce[{s}] is {got:,.0f} bytes, "
+                     f"{'more' if got > want else 'less'} than each rank of a ring all-reduce "
+                     f"sends: 2(dp − 1)/dp × the bytes of the stage's gradients, one per "
+                     f"parameter that requires a gradient"
+                     + _bytes_problem(got, want, {
+                         "a frozen parameter, requires_grad=False, has no gradient to "
+                         "all-reduce": ring * every * size,
+                         "buffers, such as BatchNorm's running statistics, are no "
+                         "gradients": ring * (params[s] + buffers) * size,
+                         "the ring's 2(dp − 1)/dp is missing": params[s] * size,
+                         f"these values are {size} bytes each: element_size() says":
+                             ring * params[s] * 4}))
+        for s, got in enumerate(boundary):
+            want = 2 * microbatches * values[s] * size
+            _require(math.isclose(got, want),
+                     f"{name}, {microbatches} micro-batches: boundary[{s}] is {got:,.0f} "
+                     f"bytes, {'more' if got > want else 'less'} than crosses it in a step: "
+                     f"every micro-batch's activation forward and its gradient back"
+                     + _bytes_problem(got, want, {
+                         "the gradient goes back too: 2 (forward and backward)": want / 2,
+                         "every one of the micro-batches crosses": want / microbatches,
+                         f"these values are {size} bytes each: element_size() says":
+                             want / size * 4}))
 
 
 # -- 5.3: global gradient clipping on a dp × pp mesh -------------------------------------------
@@ -293,20 +357,41 @@ def _check_clip(clip_global: Callable[..., Any], dp: int, cuts: list[int]) -> No
         _require(isinstance(got, (float, int, Tensor)) and not isinstance(got, bool),
                  f"{setup}: return the total norm before clipping, got {got!r}")
         got = float(got)
-        for d, stages in enumerate(grads):
-            for s, stage in enumerate(stages):
-                for n, g in stage.items():
-                    if torch.allclose(g, expected[n], rtol=1e-4, atol=1e-6):
-                        continue
-                    ratio = (g.norm() / expected[n].norm()).item()
-                    _require(False,
-                             f"{setup}: replica {d}, pipeline rank {s}: {n}'s gradient is not "
-                             f"the unpipelined model's after clip_grad_norm_ (its norm is "
-                             f"{ratio:.3f} times that). First the replicas' average (DDP's "
-                             f"all-reduce, per stage), then ONE norm over every pipeline "
-                             f"rank's averaged gradients (sum the ranks' squared norms, "
-                             f"then the square root), then the same factor "
-                             f"min(1, max_norm / norm) on every rank of every replica")
+        problem = _clip_problem(grads, expected)
+        _require(not problem, f"{setup}: {problem}")
         _require(math.isclose(got, expected_norm, rel_tol=1e-4),
-                 f"{setup}: you returned {got:.5f}, {got / expected_norm:.3g} times the whole "
-                 f"model's gradient norm (the norm of the averaged gradients, before clipping)")
+                 f"{setup}: you returned {got:.5f}, "
+                 f"{'more' if got > expected_norm else 'less'} than the whole model's "
+                 f"gradient norm (the norm of the averaged gradients, before clipping)")
+
+
+def _clip_problem(grads: list[list[StageGrads]], expected: StageGrads) -> str:
+    """What is wrong with the gradients the learner left ("" if nothing): the replicas
+    disagree, or one replica's pipeline ranks were scaled by different factors, or else
+    how far off one gradient is. It points at the step that went wrong without reciting
+    the recipe."""
+    wrong = [(d, s, n) for d, stages in enumerate(grads) for s, stage in enumerate(stages)
+             for n, g in stage.items()
+             if not torch.allclose(g, expected[n], rtol=1e-4, atol=1e-6)]
+    if not wrong:
+        return ""
+    for d, stages in enumerate(grads[1:], start=1):
+        for s, stage in enumerate(stages):
+            for n, g in stage.items():
+                if not torch.allclose(g, grads[0][s][n], rtol=1e-4, atol=1e-6):
+                    return (f"replica {d} and replica 0 end with different gradients for {n} "
+                            f"(pipeline rank {s}), so their next steps would differ: what "
+                            f"does every rank hold before anyone computes a norm?")
+    factors = [math.sqrt(sum(g.pow(2).sum().item() for g in stage.values())
+                         / sum(expected[n].pow(2).sum().item() for n in stage))
+               for stage in grads[0]]
+    if max(factors) > min(factors) * (1 + 1e-4):
+        return (f"replica 0's pipeline ranks end scaled by different factors, "
+                f"{', '.join(f'{f:.3f}' for f in factors)} times the unpipelined model's "
+                f"clipped gradient: clipping scales the whole model alike, so what sets the "
+                f"factor must be the same on every pipeline rank")
+    d, s, n = wrong[0]
+    ratio = (grads[d][s][n].norm() / expected[n].norm()).item()
+    return (f"replica {d}, pipeline rank {s}: {n}'s gradient is not the unpipelined model's "
+            f"after clip_grad_norm_ (its norm is {ratio:.3f} times that). Which norm decides "
+            f"the factor, and when is a gradient left as it is?")

@@ -4,31 +4,30 @@
   ``row_parallel_backward`` gets each rank's part of a row-parallel linear layer and the
   output's gradient, and returns each rank's input and weight gradients and the bias's;
   they are compared with autograd on the unsplit layer, computed before. Judged on cases
-  drawn here (the notebook shows none of them): several t, shapes and bias on or off.
-  PyTorch's autograd is withheld while the learner's function runs: it would differentiate
-  the layer instead of the learner.
+  drawn afresh each run (`hidden_cases`; the notebook shows none): t = 2, 3 and 4 ranks,
+  with and without a bias. PyTorch's autograd is withheld while the learner's function
+  runs: it would differentiate the layer instead of the learner.
 * **8.2** (the process groups of a ``t × p × d`` mesh): the learner's ``mesh_groups``
   gets a rank order and the sizes, and returns every dimension's groups; compared with
   `parallel.rank_order.groups` (withheld while the learner's function runs) on orders and
-  sizes drawn here, including orders and sizes the notebook never uses.
+  sizes drawn afresh each run, none the notebook's example, and on a mesh with a
+  dimension of size 1.
 
-A wrong answer's message says what is wrong for one rank or one tensor, with what it
-should have been, never the whole expected answer.
+A wrong answer's message says what is wrong for one rank or one tensor, never what it
+should have been.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
-from unittest import mock
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from pipeline_lib.course.exercises import ExerciseFailed, withheld
+from pipeline_lib.course.exercises import ExerciseFailed, hidden_cases, ignores_namespace, withheld
 from pipeline_lib.parallel import rank_order
 
 __all__ = ["check_8_1", "check_8_2", "row_parallel_cases", "mesh_cases"]
@@ -42,18 +41,29 @@ def _require(ok: bool, message: str) -> None:
 # -- 8.1: a row-parallel linear layer's backward -------------------------------------------
 
 RowCase = tuple[list[Tensor], list[Tensor], Tensor | None, Tensor]
+_AUTOGRAD = ("your code calls torch.autograd.{name}, which would differentiate the layer "
+             "for you: write each gradient as a product of the tensors you are given")
 
 
-def row_parallel_cases() -> list[tuple[str, RowCase]]:
-    """(description, (x_parts, weight_parts, bias, grad_out)): t = 2, 3 and 4 ranks,
-    float64, one case without a bias; drawn with a fixed seed, not shown in the notebook."""
-    g = torch.Generator().manual_seed(808)
+def row_parallel_cases(seed: int | None = None) -> list[tuple[str, RowCase]]:
+    """(description, (x_parts, weight_parts, bias, grad_out)): t = 2 and 3 ranks with a
+    bias, 4 without, float64, shapes and values drawn with ``seed`` (fresh each run by
+    default)."""
+    def draw(rng: random.Random) -> tuple[int, int, int, int]:   # rows, width, outputs, seed
+        # more outputs than a rank's inputs: a transposed weight gradient shows by its shape
+        return rng.randint(2, 7), rng.randint(1, 3), rng.randint(4, 7), rng.randrange(2**31)
+
+    rng = random.Random(seed)
+    drawn = hidden_cases(draw, 3) if seed is None else [draw(rng) for _ in range(3)]
     cases = []
-    for t, rows, inputs, outputs, bias in ((2, 5, 6, 4, True), (3, 7, 9, 5, True),
-                                           (4, 3, 8, 6, False)):
+    for (t, bias), (rows, width, outputs, values) in zip(((2, True), (3, True), (4, False)),
+                                                         drawn):
+        g = torch.Generator().manual_seed(values)
+
         def rand(*shape: int) -> Tensor:
             return torch.randn(*shape, generator=g, dtype=torch.float64)
 
+        inputs = t * width
         x, weight = rand(rows, inputs), rand(outputs, inputs)
         cases.append((f"t = {t}, x of {rows} × {inputs}, weight of {outputs} × {inputs}"
                       + ("" if bias else ", no bias"),
@@ -73,25 +83,6 @@ def _expected(case: RowCase) -> tuple[list[Tensor], list[Tensor], Tensor | None]
             None if b is None else b.grad)
 
 
-@contextlib.contextmanager
-def _autograd_withheld(namespace: dict[str, Any] | None) -> Iterator[None]:
-    """``torch.autograd.grad`` and ``backward`` (``Tensor.backward`` calls the latter)
-    refuse to run in the block: they would differentiate the layer for the learner."""
-    def refusal(name: str) -> Callable[..., Any]:
-        def refuse(*args: Any, **kwargs: Any) -> Any:
-            raise ExerciseFailed(f"your code calls torch.autograd ({name}), which would "
-                                 f"differentiate the layer for you: write each gradient "
-                                 f"as a product of the tensors you are given")
-        return refuse
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(withheld(torch.autograd.grad, torch.autograd.backward,
-                                     namespace=namespace))
-        for name in ("grad", "backward"):
-            stack.enter_context(mock.patch.object(torch.autograd, name, refusal(name)))
-        yield
-
-
 def _compare(what: str, got: Any, want: Tensor, hint: str) -> None:
     _require(isinstance(got, Tensor), f"{what}: return a tensor, got {type(got).__name__}")
     _require(tuple(got.shape) == tuple(want.shape),
@@ -105,14 +96,15 @@ def _compare(what: str, got: Any, want: Tensor, hint: str) -> None:
     raise ExerciseFailed(f"{what} is wrong{scaled}: {hint}")
 
 
-def check_8_1(row_parallel_backward: Callable[..., Any],
-              namespace: dict[str, Any] | None = None) -> None:
-    """Exercise 8.1 (see the module docstring)."""
-    for name, case in row_parallel_cases():
+@ignores_namespace(1)
+def check_8_1(row_parallel_backward: Callable[..., Any], seed: int | None = None) -> None:
+    """Exercise 8.1 (see the module docstring); ``seed`` draws the cases (fresh each run
+    by default)."""
+    for name, case in row_parallel_cases(seed):
         want_x, want_w, want_b = _expected(case)
         x_parts, weight_parts, bias, grad_out = case
         t = len(x_parts)
-        with _autograd_withheld(namespace):
+        with withheld(torch.autograd.grad, torch.autograd.backward, reason=_AUTOGRAD):
             answer = row_parallel_backward([p.clone() for p in x_parts],
                                            [p.clone() for p in weight_parts],
                                            None if bias is None else bias.clone(),
@@ -142,18 +134,21 @@ def check_8_1(row_parallel_backward: Callable[..., Any],
 
 # -- 8.2: the process groups of a t × p × d mesh -------------------------------------------
 
-def mesh_cases() -> list[tuple[str, dict[str, int]]]:
-    """(order, sizes): Megatron-LM's and Llama 3's orders and two others, on sizes where
-    no two dimensions are equal, and a mesh with a dimension of size 1; drawn with a
-    fixed seed, not shown in the notebook."""
-    rng = random.Random(808)
-    orders = [rank_order.MEGATRON, rank_order.LLAMA3, "pp-tp-dp", "dp-pp-tp"]
-    cases = []
-    for order in orders:
-        sizes = dict(zip(("tp", "pp", "dp"), rng.sample([2, 3, 4], 3)))
-        cases.append((order, sizes))
-    cases.append(("tp-dp-pp", {"tp": 4, "pp": 1, "dp": 2}))
-    return cases
+def mesh_cases(seed: int | None = None) -> list[tuple[str, dict[str, int]]]:
+    """(order, sizes): four orders of tp, pp and dp with sizes from 1 to 4, at most one of
+    them 1 and no two equal (so that a dimension's stride cannot be taken for its size),
+    none the notebook's example (every size 2), drawn with ``seed`` (fresh each run by
+    default); and one mesh with a dimension of size 1."""
+    def draw(rng: random.Random) -> tuple[str, tuple[int, int, int]]:
+        order = "-".join(rng.sample(("tp", "pp", "dp"), 3))
+        return order, tuple(rng.sample([2, 3, 4], 3) if rng.random() < 0.75
+                            else rng.sample([1, 2, 3, 4], 3))
+
+    rng = random.Random(seed)
+    drawn = (hidden_cases(draw, 4, shown=[(rank_order.MEGATRON, (2, 2, 2))]) if seed is None
+             else [draw(rng) for _ in range(4)])
+    cases = [(order, dict(zip(("tp", "pp", "dp"), sizes))) for order, sizes in drawn]
+    return cases + [(rank_order.MEGATRON, {"tp": 4, "pp": 1, "dp": 2})]
 
 
 def _where(rank: int, order: str, sizes: dict[str, int]) -> str:
@@ -161,12 +156,35 @@ def _where(rank: int, order: str, sizes: dict[str, int]) -> str:
     return ", ".join(f"{d} {coords[d]}" for d in ("tp", "pp", "dp"))
 
 
+def _what_is_off(rank: int, group: list[int] | None, dim: str, order: str,
+                 sizes: dict[str, int]) -> str:
+    """Why ``group``, the learner's ``dim`` group holding ``rank``, is wrong, without
+    saying the right one."""
+    if group is None:
+        return f"rank {rank} is in none of your {dim} groups"
+    mine = rank_order.coordinates(rank, order, sizes)
+    for other in group:
+        if not 0 <= other < math.prod(sizes.values()):
+            return f"your {dim} group {group} holds {other}, which is not a rank"
+        theirs = rank_order.coordinates(other, order, sizes)
+        differ = [d for d in sizes if d != dim and theirs[d] != mine[d]]
+        if differ:
+            return (f"your {dim} group {group} puts rank {rank} (at "
+                    f"{_where(rank, order, sizes)}) with rank {other} (at "
+                    f"{_where(other, order, sizes)}): they differ in {differ[0]}, and a "
+                    f"{dim} group's ranks share every coordinate but {dim}")
+    return (f"your {dim} group {group}, holding rank {rank}, lists its ranks out of the "
+            f"order of their {dim} coordinates (from 0 up)")
+
+
+@ignores_namespace(1)
 def check_8_2(mesh_groups: Callable[[str, dict[str, int]], Any],
-              namespace: dict[str, Any] | None = None) -> None:
-    """Exercise 8.2 (see the module docstring)."""
-    for order, sizes in mesh_cases():
+              seed: int | None = None) -> None:
+    """Exercise 8.2 (see the module docstring); ``seed`` draws the cases (fresh each run
+    by default)."""
+    for order, sizes in mesh_cases(seed):
         want = {dim: rank_order.groups(dim, order, sizes) for dim in sizes}
-        with withheld("pipeline_lib.parallel.rank_order", namespace=namespace):
+        with withheld("pipeline_lib.parallel.rank_order"):
             got = mesh_groups(order, dict(sizes))
         case = f"order {order!r} with {sizes}"
         _require(isinstance(got, dict) and sorted(got) == sorted(sizes),
@@ -186,12 +204,9 @@ def check_8_2(mesh_groups: Callable[[str, dict[str, int]], Any],
                      f"{sorted({len(g) for g in groups})}")
             mine = {r: g for g in groups for r in g}
             for rank, right in ((r, g) for g in want[dim] for r in g):
-                group = mine.get(rank)
-                _require(group == right,
-                         f"{case}: rank {rank} (at {_where(rank, order, sizes)}) is in "
-                         f"{dim} group {group}, which should hold the {sizes[dim]} ranks "
-                         f"that share its other coordinates, in order of their {dim} "
-                         f"coordinate: {right}. The order lists the dimension whose "
-                         f"coordinate changes fastest first")
+                _require(mine.get(rank) == right,
+                         f"{case}: {_what_is_off(rank, mine.get(rank), dim, order, sizes)}. "
+                         f"The order lists the dimension whose coordinate changes fastest "
+                         f"first")
             _require(groups == sorted(groups),
                      f"{case}: list the {dim} groups in order of their first rank")

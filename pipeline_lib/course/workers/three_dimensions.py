@@ -1,21 +1,26 @@
-"""Tensor parallelism and sharded data parallelism, recorded rank by rank: the torchrun
-job of notebook 08.
+"""Tensor parallelism, sharded data parallelism and the pipeline on all three, recorded
+rank by rank: the torchrun job of notebook 08.
 
-    torchrun --nproc-per-node 2 -m pipeline_lib.course.workers.three_dimensions WORKDIR
+    torchrun --nproc-per-node 8 -m pipeline_lib.course.workers.three_dimensions WORKDIR
 
 ``WORKDIR/setup.pt`` (`write_setup`) holds the job: the model's config and weights, an
-input for one block, a batch and its micro-batch count. The job's ranks form one
-group, used two ways:
+input for one block, a batch and its micro-batch count. The 8 ranks form a ``tp × pp ×
+dp = 2 × 2 × 2`` mesh in Megatron-LM's order (`MESH`: ``init_mesh``), used three ways:
 
-* as a **tensor-parallel** group: the model's first block split over the ranks by hand
-  (`parallel.by_hand`) and by PyTorch's plan (`parallel.tensor_parallel`), with and
-  without sequence parallelism: each way's output, input gradient, weight gradients
-  (gathered whole), the messages of its forward and of its backward, the bytes autograd
-  saved for the backward, and its dropout masks;
-* as a **data-parallel** group: one step of the whole model run as one pipeline stage
-  (its micro-batches in 1F1B's order) replicated with DDP, and sharded with FSDP
-  (resharded after forward, and not): gradients gathered whole, the step's messages, and
-  the bytes each rank keeps between steps for parameters, gradients and Adam's states.
+* the **tensor-parallel** group of rank 0 (`TP_RANKS`): the model's first block split
+  over it by hand (`parallel.by_hand`) and by PyTorch's plan (`parallel.tensor_parallel`),
+  with and without sequence parallelism: each way's output, input gradient, weight
+  gradients (gathered whole), the messages of its forward and of its backward, the bytes
+  autograd saved for the backward, and its dropout masks;
+* the **data-parallel** group of rank 0 (`DP_RANKS`): one step of the whole model run
+  as one pipeline stage (its micro-batches in 1F1B's order) replicated with DDP, and
+  sharded with FSDP (resharded after forward, and not): gradients gathered whole, the
+  step's messages, and the bytes each rank keeps between steps for parameters,
+  gradients and Adam's states;
+* all 8 ranks: the **executor**, `DistributedPipe` on the mesh (1F1B, each stage
+  tensor-parallel, the replicas as DDP), two steps of the batch (the first agrees the
+  messages' layouts): the second's loss, its gradients gathered whole, and its messages
+  on each mesh dimension.
 
 Each rank saves a record (``WORKDIR/rank{r}.pt``); `read_records` loads them in rank
 order.
@@ -31,29 +36,33 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline_lib.course.workers import results
+from pipeline_lib.distributed import DistributedPipe
 from pipeline_lib.distributed.job import process_group
-from pipeline_lib.distributed.launch import rank_device
+from pipeline_lib.distributed.mesh import Mesh, init_mesh
+from pipeline_lib.parallel import rank_order
 from pipeline_lib.lm.loops import lm_loss
 from pipeline_lib.lm.model import transformer_lm
 from pipeline_lib.parallel.block import ShardableBlock, shardable
 from pipeline_lib.parallel.by_hand import split_block
 from pipeline_lib.parallel.fsdp import reduce_gradients, shard_stage, start_step
 from pipeline_lib.parallel.tensor_parallel import tensor_parallel
-from pipeline_lib.parallel.traffic import Traffic
+from pipeline_lib.parallel.traffic import Message, Traffic
 from pipeline_lib.rng import owned_rng
 from pipeline_lib.stage import StageRunner
 from pipeline_lib.step import split_batch
 
 RESULTS = "rank"
+MESH, ORDER = {"tp": 2, "pp": 2, "dp": 2}, rank_order.MEGATRON
+RANKS = MESH["tp"] * MESH["pp"] * MESH["dp"]
+TP_RANKS = rank_order.groups("tp", ORDER, MESH)[0]      # rank 0's groups
+DP_RANKS = rank_order.groups("dp", ORDER, MESH)[0]
 ONE_F_ONE_B = [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2),
                ("B", 3)]   # a stage's actions in 1F1B's order, 4 micro-batches
-Messages = list[tuple[str, str, int, int]]   # (dimension, kind, bytes, ranks)
 
 
 @dataclass
@@ -64,7 +73,8 @@ class Setup:
     state_dict: dict[str, Tensor]         # its weights
     block_input: Tensor                   # [B, T, d_model]: what the first block is fed
     dropout: float                        # for the masks' record: the block's dropout
-    batch: tuple[Tensor, Tensor]          # (inputs, targets) of the data-parallel step
+    batch: tuple[Tensor, Tensor]          # (inputs, targets) of the steps
+    microbatches: int = 4                 # of the executor's step (per replica)
 
 
 def write_setup(workdir: str | Path, setup: Setup) -> Path:
@@ -72,10 +82,11 @@ def write_setup(workdir: str | Path, setup: Setup) -> Path:
     return results.write_setup(workdir, RESULTS, setup)
 
 
-def read_records(workdir: str | Path, ranks: int) -> list[dict[str, Any]]:
-    """Every rank's record, in rank order."""
-    command = f"torchrun --nproc-per-node {ranks} -m {__name__} {workdir}"
-    return results.load(workdir, RESULTS, command)
+def read_records(workdir: str | Path) -> list[dict[str, Any]]:
+    """Every rank's record, in rank order (its messages as `traffic.Message`\\ s)."""
+    command = f"torchrun --nproc-per-node {RANKS} -m {__name__} {workdir}"
+    with torch.serialization.safe_globals([Message]):
+        return results.load(workdir, RESULTS, command)
 
 
 def build(setup: Setup, dropout: float = 0.0) -> nn.Sequential:
@@ -112,10 +123,6 @@ def gathered_grads(split: ShardableBlock, group: dist.ProcessGroup) -> dict[str,
         dist.all_gather(parts, p.grad.contiguous(), group=group)
         out[name] = whole(torch.cat(parts, dim))
     return out
-
-
-def messages(traffic: Traffic) -> Messages:
-    return [(m.dim, m.kind, m.size, m.ranks) for m in traffic.messages]
 
 
 class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
@@ -186,7 +193,7 @@ def tensor_parallel_record(setup: Setup, mesh, device: torch.device) -> dict[str
                 dropped(x)
             record[(way, sp)] = dict(
                 out=whole(out), input_grad=whole(given.grad), grads=grads,
-                forward=messages(forward), backward=messages(backward),
+                forward=forward.messages, backward=backward.messages,
                 saved_bytes=saved.bytes, masks=masks.masks)
     return record
 
@@ -253,24 +260,52 @@ def data_parallel_record(setup: Setup, mesh, device: torch.device) -> dict[str, 
         optimizer.step()
         held["adam"] = _bytes_held([t for state in optimizer.state.values()
                                     for t in state.values() if t.dim() > 0])
-        record[mode] = dict(grads=grads, messages=messages(traffic), held=held)
+        record[mode] = dict(grads=grads, messages=traffic.messages, held=held)
     return record
+
+
+def pipeline_record(setup: Setup, mesh: Mesh) -> dict[str, Any]:
+    """`DistributedPipe` on the whole mesh: the second step's loss, gradients (whole, by
+    ``build(setup)``'s names) and messages (see the module docstring)."""
+    model = transformer_lm(**setup.model_config)
+    model.load_state_dict(setup.state_dict)
+    balance = [len(model) // mesh.pp] * mesh.pp
+    pipe = DistributedPipe(model, mesh, balance, setup.microbatches, "1f1b")
+    pipe.step(*setup.batch, lm_loss)   # the messages' layouts agreed: a steady step next
+    for p in pipe.parameters():
+        p.grad = None
+    with Traffic({"tp": mesh.tp_group, "dp": mesh.dp_group,
+                  "pp": list(mesh.channels.values())}) as traffic:
+        loss = pipe.step(*setup.batch, lm_loss)
+    first = mesh.pipe_rank * balance[0]
+    grads = {}
+    for s, module in pipe.modules.items():
+        for name, p in module.named_parameters():
+            layer, rest = name.split(".", 1)
+            grads[f"{first + int(layer)}.{rest}"] = whole(p.grad)
+    return dict(loss=None if loss is None else loss.item(), grads=grads,
+                messages=traffic.messages,
+                place=dict(tp=mesh.tp_rank, pp=mesh.pipe_rank, dp=mesh.replica))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Split a block over the ranks by hand and "
-                                     "by PyTorch's plan, and shard a stage with FSDP; record "
-                                     "what each rank did")
+                                     "by PyTorch's plan, shard a stage with FSDP, and run "
+                                     "the pipeline on all three dimensions; record what "
+                                     "each rank did")
     parser.add_argument("workdir", type=Path)
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args(argv)
     setup = Setup(**torch.load(args.workdir / "setup.pt"))
     with process_group(timeout=args.timeout):
-        device = rank_device(dist.get_backend())
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("x",))
+        mesh = init_mesh(MESH["pp"], MESH["dp"], args.timeout, ORDER, tp=MESH["tp"])
         results.start_run(args.workdir, RESULTS)
-        record = dict(tp=tensor_parallel_record(setup, mesh["x"], device),
-                      dp=data_parallel_record(setup, mesh["x"], device))
+        record: dict[str, Any] = {}
+        if mesh.rank in TP_RANKS:
+            record["tp"] = tensor_parallel_record(setup, mesh.device_mesh["tp"], mesh.device)
+        if mesh.rank in DP_RANKS:
+            record["dp"] = data_parallel_record(setup, mesh.device_mesh["dp"], mesh.device)
+        record["pipe"] = pipeline_record(setup, mesh)
         results.save(args.workdir, RESULTS, record)
 
 
