@@ -11,7 +11,7 @@ from pipeline_lib.schedules import (BUILDERS, Action, Schedule, build, gpipe,
                                     interleaved_1f1b, one_f_one_b, one_forward_one_backward)
 from pipeline_lib import schedules
 from pipeline_lib.threaded.threads import run_threads
-from pipeline_lib.timeline import simulate
+from pipeline_lib.timeline import Event, Timeline, simulate
 from conftest import fails, passes
 
 EX_2_1 = "Exercise 2.1 (GPipe as an action list)"
@@ -183,25 +183,27 @@ def test_2_2_library_shortcut_fails(answer):
 
 # 2.3 ---------------------------------------------------------------------------------
 def stage_loop(runner, program, mail, stages, inputs, targets, order=None, as_b=False,
-               back=-1, sent=lambda t: t, returned=lambda g: g):
-    """The solution, with switches for the usual mistakes: another order, I run as B,
-    the input gradient sent to another stage (``back``), an activation or a gradient
-    changed on its way (``sent``, ``returned``)."""
+               keep_w=False, back=-1, sent=lambda t: t, returned=lambda g: g,
+               key=lambda *k: k):
+    """The solution, with switches for the usual mistakes: another order, I run as B
+    (its W skipped, or run too: ``keep_w``), the input gradient sent to another
+    stage (``back``), an activation or a gradient changed on its way (``sent``,
+    ``returned``), keys that do not say what a message is or who gets it (``key``)."""
     for s, kind, i in (order(program) if order else program):
         if kind == "F":
-            x = inputs[i] if s == 0 else mail.get(("activation", s, i))
+            x = inputs[i] if s == 0 else mail.get(key("activation", s, i))
             y = runner.forward(i, x, targets[i] if s == stages - 1 else None)
             if s < stages - 1:
-                mail.put(("activation", s + 1, i), sent(y))
+                mail.put(key("activation", s + 1, i), sent(y))
         elif kind == "W":
-            if not as_b:
+            if keep_w or not as_b:
                 runner.backward_weight(i)
         else:
-            grad = None if s == stages - 1 else mail.get(("gradient", s, i))
+            grad = None if s == stages - 1 else mail.get(key("gradient", s, i))
             backward = runner.backward if kind == "B" or as_b else runner.backward_input
             grad_in = backward(i, grad)
             if s > 0:
-                mail.put(("gradient", s + back, i), returned(grad_in))
+                mail.put(key("gradient", s + back, i), returned(grad_in))
 
 
 def forwards_then_backwards(program):        # ignores the program's order
@@ -220,6 +222,10 @@ def test_2_3_solution_passes():
     (lambda *a: stage_loop(*a, order=lambda program: [x for x in program if x.kind != "W"]),
      "but its program is"),                               # the Ws dropped
     (lambda *a: stage_loop(*a, back=+1), "TimeoutError"),     # the gradient sent to s + 1
+    (lambda *a: stage_loop(*a, as_b=True, keep_w=True),    # then its W: nothing to finish
+     "without its I (was I run as a whole B?)"),
+    (lambda *a: stage_loop(*a, key=lambda kind, s, i: i),     # one key for both directions
+     "another stage took it: keys must name the receiving stage"),
     (lambda *a: stage_loop(*a, returned=lambda g: g * 0), "gradient differs"),
     (lambda *a: stage_loop(*a, sent=lambda t: t * 2), "the loss is"),
 ])
@@ -281,6 +287,19 @@ def test_2_4_library_shortcut_fails():
         program, v), says="your code calls")
 
 
+def as_timeline(program):                      # the program, one unit per action, on rank 0
+    return Timeline(1, [Event(0, a, k, k + 1) for k, a in enumerate(program)])
+
+
+@pytest.mark.parametrize("answer", [          # the simulator's counters, without simulate
+    lambda program, v: as_timeline(program).peak_in_flight()[0] / v,
+    lambda program, v: as_timeline(program).peak_activations(
+        [1 / v] * (max(a.stage for a in program) + 1))[0],
+])
+def test_2_4_timeline_shortcut_fails(answer):
+    fails(EX_2_4, nb02.check_peak_held, answer, says="your code calls")
+
+
 # 2.5 ---------------------------------------------------------------------------------
 def interleaved_by_hand(p, m, v, ahead=None, in_rounds=True):
     groups = [range(k, k + p) for k in range(0, m, p)] if in_rounds else [range(m)]
@@ -314,23 +333,32 @@ def test_2_5_solution_passes():
 
 
 @pytest.mark.parametrize("answer, says", [
-    (lambda p, m, v: interleaved_by_hand(p, m, v, ahead=lambda p, m, v, r: m * v), "peak"),
+    (lambda p, m, v: interleaved_by_hand(p, m, v, ahead=lambda p, m, v, r: m * v),
+     "more than under interleaved 1F1B on ranks"),
     (lambda p, m, v: interleaved_by_hand(p, m, v, ahead=lambda p, m, v, r: p - r),
      "not a schedule that can run"),
     (lambda p, m, v: interleaved_by_hand(
-        p, m, v, ahead=lambda p, m, v, r: (v - 1) * p + 1), "interleaved 1F1B's"),
+        p, m, v, ahead=lambda p, m, v, r: (v - 1) * p + 1), "count the hops"),
     (lambda p, m, v: interleaved_by_hand(p, m, v, in_rounds=False), "not a schedule"),
     (lambda p, m, v: one_f_one_b_by_hand(p, m), "virtual_stages=1"),
     # one hop per later rank, not two: as fast as interleaved 1F1B while messages are free,
     # slower once they take time (the check's simulations give them a time)
     (lambda p, m, v: interleaved_by_hand(
         p, m, v, ahead=lambda p, m, v, r: (v - 1) * p + (p - 1 - r) + 1), "your step takes"),
-    (lambda p, m, v: interleaved_by_hand(p, m, v, ahead=lambda p, m, v, r: v * p), "peak"),
+    (lambda p, m, v: interleaved_by_hand(p, m, v, ahead=lambda p, m, v, r: v * p),
+     "more than under interleaved 1F1B on ranks"),
     (interleaved_reversed_stages, "not a schedule"),
     (interleaved_for_two_ranks_only, "two ranks only"),
 ])
 def test_2_5_wrong_answers_fail(answer, says):
     fails(EX_2_5, nb02.check_interleaved, answer, says=says)
+
+
+def test_2_5_memory_message_gives_only_the_learners_peaks():
+    """The target's peaks are the warm-up counts the exercise asks for: not printed."""
+    message = fails(EX_2_5, nb02.check_interleaved, lambda p, m, v: interleaved_by_hand(
+        p, m, v, ahead=lambda p, m, v, r: m * v), says="more than under interleaved 1F1B")
+    assert str(simulate(interleaved_1f1b(2, 4, 2)).peak_in_flight()) not in message, message
 
 
 @pytest.mark.parametrize("answer", [
@@ -366,6 +394,7 @@ def test_mail_reports_a_deadlock_at_once_and_waits_for_a_slow_sender():
         t.join()
     assert time.monotonic() - started < 10 and len(raised) == 2
     assert "'a'" in "".join(raised) and "will never come" in raised[0]
+    assert "keys must name the receiving stage" in raised[0]     # or another stage took it
 
     mail, got = nb02.Mail(2, patience=60), []
     receiver = threading.Thread(target=lambda: got.append(mail.get("x")))

@@ -50,6 +50,9 @@ def test_2b_1_a_table_of_the_shown_cases_fails_on_the_drawn_ones():
 
 @pytest.mark.parametrize("answer, says", [
     (lambda p, f, i, w: (p - 1) * (f + i - w), "the published formula"),   # DeepSeek's, 02's
+    # another formula, equal to the published one where W <= F: the message says only that
+    (lambda p, f, i, w: (p - 1) * (f + i - w if w <= f else f + i + w),
+     "your value equals the published formula's here"),
     (lambda p, f, i, w: (p - 1) * (f + i + w), "1F1B's bubble"),
     (lambda p, f, i, w: (p - 1) * f, "your formula gives"),
     (lambda p, f, i, w: (p - 1) * max(f + i - w, f), "your formula gives"),

@@ -31,7 +31,7 @@ from pipeline_lib.schedules import (BUILDERS, Action, Schedule, ScheduleError, b
                                     one_forward_one_backward, rounds, validate, zb_h1)
 from pipeline_lib.stage import StageRunner
 from pipeline_lib.threaded import Pipe
-from pipeline_lib.timeline import simulate
+from pipeline_lib.timeline import Timeline, simulate
 
 # what computes a schedule for the learner: every builder, and PyTorch's lists; 2.5 may
 # use 1F1B's building block, which 2.1 and 2.2 ask the learner to write
@@ -153,6 +153,9 @@ class Mail:
     messages can come, and `get` raises `TimeoutError` at once, naming its key; so does a
     wait longer than ``patience`` seconds. A slow machine never makes a right loop fail."""
 
+    # a key that does not name its receiver lets one stage take another's message
+    TAKEN = " (or another stage took it: keys must name the receiving stage)"
+
     def __init__(self, stages: int, patience: float = 60.0):
         self.stages, self.patience = stages, patience
         self.cond = threading.Condition()
@@ -187,11 +190,11 @@ class Mail:
                         raise TimeoutError(f"every stage is waiting for a message or has "
                                            f"ended, so the message with key {key!r}, which "
                                            f"this stage waits for, will never come: no "
-                                           f"stage sent it")
+                                           f"stage sent it{self.TAKEN}")
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise TimeoutError(f"waited {self.patience:g} s for a message with "
-                                           f"key {key!r}, which no stage sent")
+                                           f"key {key!r}, which no stage sent{self.TAKEN}")
                     self.cond.wait(left)
                 return self.boxes[key].pop(0)
             finally:
@@ -219,6 +222,9 @@ class _Watched:
 
     def backward_weight(self, i: int) -> None:
         self.ran.append(Action(self.runner.stage, "W", i))
+        if i not in self.runner.pending_weight:     # the runner would raise KeyError: i
+            raise ExerciseFailed(f"stage {self.runner.stage} ran the W of micro-batch {i} "
+                                 f"without its I (was I run as a whole B?)")
         self.runner.backward_weight(i)
 
 
@@ -308,7 +314,8 @@ def check_peak_held(peak_held: Callable) -> None:
         v, p, m = schedule.virtual_stages, schedule.ranks, schedule.microbatches
         expected = [n / v for n in simulate(schedule).peak_in_flight()]
         for r, program in enumerate(schedule.actions):
-            with withheld(simulate, *WITH_BLOCK):
+            with withheld(simulate, Timeline.peak_in_flight, Timeline.peak_activations,
+                          *WITH_BLOCK):
                 mine = peak_held(list(program), v)
             _require(isinstance(mine, numbers.Real) and abs(mine - expected[r]) < 1e-9,
                      f"{schedule.name}, p = {p}, m = {m}, v = {v}: for rank {r}'s program "
@@ -340,17 +347,19 @@ def check_interleaved(interleaved_by_hand: Callable) -> None:
                                       f"your schedule has kinds {sorted(kinds)}")
         costs = dict(forward=1 / v, backward=2 / v, comm=MESSAGE_TIME)
         t, target = simulate(mine, **costs), simulate(interleaved_1f1b(p, m, v), **costs)
-        most = target.peak_in_flight()
-        _require(all(a <= b for a, b in zip(t.peak_in_flight(), most)),
-                 f"{call}: your ranks hold {t.peak_in_flight()} (virtual stage, micro-batch) "
-                 f"pairs at their peak, interleaved 1F1B {most}: start the backwards as soon "
-                 f"as the first gradient can be back, not after all forwards")
+        held, most = t.peak_in_flight(), target.peak_in_flight()
+        over = [r for r, (a, b) in enumerate(zip(held, most)) if a > b]
+        _require(not over,
+                 f"{call}: your ranks hold {held} (virtual stage, micro-batch) pairs at "
+                 f"their peak, more than under interleaved 1F1B on ranks {over}: start the "
+                 f"backwards as soon as the first gradient can be back, not after all "
+                 f"forwards")
         _require(t.makespan <= target.makespan + 1e-9,
                  f"{call}: your step takes {t.makespan:.4g} cost units (a virtual stage's forward "
                  f"costs 1/v, a message {MESSAGE_TIME}), interleaved 1F1B's "
                  f"{target.makespan:.4g}: a rank that runs out of forwards before its first "
-                 f"gradient is back idles; go through the micro-batches in rounds of p, "
-                 f"virtual stage after virtual stage")
+                 f"gradient is back idles: count the hops micro-batch 0's gradient needs to "
+                 f"come back")
     schedule = _by_hand(interleaved_by_hand, "interleaved_by_hand(2, 4, 2)", 2, 4, 2)
     gap = differences_from_unpipelined(on_pipe(schedule), p=4)
     _require(not gap, f"Pipe.step with interleaved_by_hand(2, 4, 2): {gap}")

@@ -2,7 +2,7 @@
 
 Each ``check_*`` runs the learner's function where the library functions that *are* the
 answer are withheld (however reached), at the notebook's cases and at cases drawn afresh
-for every run. ZB-H1's bubble is checked at costs beyond the papers' W ≤ I ≤ F, where the
+for every run. ZB-H1's bubble is checked at costs beyond W ≤ min(F, I), where the
 published formula, printed in notebooks 02 and 02b, no longer holds; the split backward by
 hand is watched through autograd hooks: which gradients each backward pass computes, in
 which order, and whether the forward ran again.
@@ -34,8 +34,10 @@ def _require(ok: bool, message: str) -> None:
         raise ExerciseFailed(message)
 
 
-# (F, I, W) per stage: the papers' W <= I <= F, then W longer than I, I longer than F, and
-# W the longest of the three (a W that waits sets no pace: max(..., W) is wrong)
+# (F, I, W) per stage. The published idle time (p-1)(F+I-W) holds exactly while
+# W <= min(F, I): the papers' W <= I <= F, then I longer than F with W the shortest (still
+# inside); outside it, W longer than I, W longer than F, and W the longest of the three (a
+# W that waits sets no pace: max(..., W) is wrong)
 BUBBLE_COSTS = [(1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (2.0, 1.5, 1.0), (1.0, 0.5, 1.0),
                 (2.0, 1.0, 1.5), (0.5, 1.0, 1.0), (1.0, 2.0, 0.5), (1.0, 1.0, 3.0)]
 
@@ -48,7 +50,7 @@ def _costs(rng: Any) -> tuple[int, float, float, float]:
 @ignores_namespace(1)
 def check_zb_h1_bubble(zb_h1_bubble: Callable) -> None:
     """Exercise 2b.1: ZB-H1's idle time per rank against the simulator's, at p = 2, 3, 4,
-    for costs inside and outside the published formula's W ≤ I ≤ F, and at ranks and costs
+    for costs inside and outside the published formula's W ≤ min(F, I), and at ranks and costs
     drawn for this run, each with m = 3p micro-batches (the formula holds from m = p on).
     A message names the learner's value, never the simulator's."""
     shown = [(p, *costs) for p in (2, 3, 4) for costs in BUBBLE_COSTS]
@@ -67,9 +69,9 @@ def check_zb_h1_bubble(zb_h1_bubble: Callable) -> None:
                  f"per rank"
                  + (" (that is 1F1B's bubble: which part of the drain do the deferred "
                     "Ws fill?)" if abs(yours - (p - 1) * (f + i + w)) < 1e-9 else "")
-                 + (" (that is the published formula, which assumes W <= I <= F: what "
-                    "else can a rank wait for?)"
-                    if abs(yours - published) < 1e-9 and not w <= i <= f else ""))
+                 + (" (your value equals the published formula's here, which holds only "
+                    "while W <= min(F, I): what else can a rank wait for?)"
+                    if abs(yours - published) < 1e-9 else ""))
 
 
 ZB_SIZES = [(2, 4), (4, 8), (4, 5), (3, 2)]
