@@ -478,6 +478,10 @@ def check_data_layout(mesh: Mesh, sequence_parallel: bool, shard_parameters: boo
     if sequence_parallel and mesh.tp == 1:
         raise ValueError("sequence_parallel splits the sequence over the tensor-parallel "
                          "ranks, so it needs a mesh with tp > 1 (init_mesh(..., tp=2))")
+    if shard_parameters and mesh.dp == 1:
+        raise ValueError("shard_parameters shards each stage's weights over the "
+                         "data-parallel replicas, and this mesh has one (dp = 1): shard "
+                         "over init_mesh(..., dp=2) or more, or leave shard_parameters off")
     if not reshard_after_forward and not shard_parameters:
         raise ValueError("reshard_after_forward=False keeps gathered weights between "
                          "forward and backward, which only sharded weights have: it needs "

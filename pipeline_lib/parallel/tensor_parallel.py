@@ -122,7 +122,14 @@ def tensor_parallel(stage: nn.Sequential, mesh: DeviceMesh, sequence_parallel: b
     for layer in stage:
         if isinstance(layer, ShardableBlock):
             check_splits(layer, ranks)
-    parallelize_module(stage, mesh, stage_plan(stage, sequence_parallel, gather_logits))
+    plan = stage_plan(stage, sequence_parallel, gather_logits)
+    if not plan:   # else every rank would compute the whole stage, and tp split nothing
+        kinds = sorted({type(layer).__name__ for layer in stage})
+        raise ValueError(f"tensor parallelism splits a transformer_lm's Embedding, blocks "
+                         f"and Decoder; this stage holds none of them ({', '.join(kinds)}), "
+                         f"so its {ranks} tensor-parallel ranks would each compute all of "
+                         f"it: run it with tp=1, or build the model with transformer_lm")
+    parallelize_module(stage, mesh, plan)
     for layer in stage:
         if isinstance(layer, ShardableBlock):
             layer.layer.self_attn.tp_rank, layer.layer.self_attn.tp = rank, ranks

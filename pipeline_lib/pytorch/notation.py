@@ -177,18 +177,25 @@ def read_csv(path: str | Path) -> list[list[Token]]:
     if not path.is_file():
         raise FileNotFoundError(f"no schedule CSV at {path}")
     rows = []
-    with path.open(newline="") as file:
-        for rank, row in enumerate(csv.reader(file)):
-            tokens = []
-            for column, cell in enumerate(row):
-                try:
-                    token = parse(cell)
-                except ValueError as error:
-                    raise ValueError(f"{path.name}, row {rank} (rank {rank}), column "
-                                     f"{column}: {error}") from None
-                if token is not None:
-                    tokens.append(token)
-            rows.append(tokens)
+    # utf-8-sig: a spreadsheet's "CSV UTF-8" starts with a byte-order mark, not an action
+    with path.open(newline="", encoding="utf-8-sig") as file:
+        try:
+            lines = list(csv.reader(file))
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{path} is not UTF-8 text (byte {error.start}): a schedule CSV "
+                             f"is plain text, one row of actions per rank; save it as CSV "
+                             f"(UTF-8)") from None
+    for rank, row in enumerate(lines):
+        tokens = []
+        for column, cell in enumerate(row):
+            try:
+                token = parse(cell)
+            except ValueError as error:
+                raise ValueError(f"{path.name}, row {rank} (rank {rank}), column "
+                                 f"{column}: {error}") from None
+            if token is not None:
+                tokens.append(token)
+        rows.append(tokens)
     if not rows:
         raise ValueError(f"{path} is empty: a schedule CSV has one row of actions per rank")
     return rows

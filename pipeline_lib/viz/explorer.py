@@ -49,13 +49,12 @@ def explorer(function: Callable[..., Any], **controls: Any) -> None:
     except ImportError:
         return
 
-    defaults = {name: parameter.default
-                for name, parameter in inspect.signature(function).parameters.items()
-                if parameter.default is not inspect.Parameter.empty}
-    widgets = {name: ipywidgets.interactive.widget_from_abbrev(abbrev, defaults.get(name))
-               for name, abbrev in {**defaults, **controls}.items()}
-    for name, widget in widgets.items():
-        widget.description = name
+    from IPython import get_ipython
+
+    widgets = _widgets(function, controls)
+    if get_ipython() is None:   # a plain Python run (a notebook exported as a script)
+        function(**{name: widget.value for name, widget in widgets.items()})
+        return
     out = ipywidgets.Output()
 
     def values() -> dict[str, Any]:
@@ -74,6 +73,39 @@ def explorer(function: Callable[..., Any], **controls: Any) -> None:
     box = ipywidgets.VBox([*widgets.values(), out])
     box.add_class("widget-interact")            # interact's own box class: its look, its selectors
     display(box)
+
+
+def _widgets(function: Callable[..., Any], controls: dict[str, Any]) -> dict[str, Any]:
+    """A named control per parameter, as ``interact`` makes them; a control for no
+    parameter, a parameter without a value, or a value no control shows raise
+    ValueError naming it."""
+    import ipywidgets
+
+    parameters = inspect.signature(function).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    unknown = [name for name in controls if name not in parameters and not takes_any]
+    if unknown:
+        raise ValueError(f"explorer: {function.__name__} has no parameter {unknown[0]!r} "
+                         f"(its parameters: {', '.join(parameters) or 'none'}); name a "
+                         f"control after one of them")
+    defaults = {name: p.default for name, p in parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    unset = [name for name, p in parameters.items() if name not in {**defaults, **controls}
+             and p.kind not in (inspect.Parameter.VAR_POSITIONAL,
+                                inspect.Parameter.VAR_KEYWORD)]
+    if unset:
+        raise ValueError(f"explorer: parameter {unset[0]!r} of {function.__name__} has no "
+                         f"default and no control: give one, e.g. {unset[0]}=(1, 8)")
+    widgets = {}
+    for name, abbrev in {**defaults, **controls}.items():
+        widget = ipywidgets.interactive.widget_from_abbrev(abbrev, defaults.get(name))
+        if widget is None:
+            raise ValueError(f"explorer: no control shows {name}={abbrev!r}: give (min, max) "
+                             f"or (min, max, step) for a slider, a list for a dropdown, a "
+                             f"bool, a string, a number or a widget")
+        widget.description = name
+        widgets[name] = widget
+    return widgets
 
 
 def _outputs(function: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[dict, ...]:
