@@ -249,6 +249,39 @@ def launcher_setup(args: argparse.Namespace) -> tuple[Config, torch.Tensor]:
     return config, batch(config)[0][:config.batch // max(args.microbatches)]
 
 
+def torchrun_worker(script: str, config: Config, balances: dict[int, list[int]],
+                    args: argparse.Namespace, folder: Path) -> list[dict]:
+    """Run ``script``'s worker on 2 processes under torchrun, each stage split of
+    ``balances`` in turn; its rank 0 writes the runs to a JSON file in ``folder``."""
+    out = Path(folder) / "ranks.json"
+    here = Path(__file__).resolve().parent
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "2", script, "--worker",
+               "--config", json.dumps(asdict(config)), "--balances", json.dumps(balances),
+               "--out", str(out), "--warmup", str(args.warmup), "--steps", str(args.steps),
+               "--microbatches", *map(str, args.microbatches)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(here), str(here.parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    subprocess.run(command, check=True, env=env)
+    return json.loads(out.read_text())
+
+
+def two_splits_main(doc: str, worker: Callable[[argparse.Namespace], None],
+                    launch: Callable[[Config, dict[int, list[int]], argparse.Namespace], list[dict]],
+                    report: Callable[[Config, dict[int, list[int]], list[dict]], None]) -> None:
+    """A benchmark on 2 ranks holding 1 then 2 stages each (balanced by time), started
+    again under torchrun by ``launch``: the launcher, or with ``--worker`` a rank."""
+    args = launcher_args(doc.split("\n\n")[0], [8], 5, "--balances")
+    if args.worker:
+        worker(args)
+        return
+    config, sample = launcher_setup(args)
+    model = build(config)
+    balances = {per_rank: balance_by_time(model, sample, 2 * per_rank) for per_rank in (1, 2)}
+    report(config, balances, launch(config, balances, args))
+
+
 def main() -> None:
     args = launcher_args(__doc__.split("\n\n")[0], [4, 8], 4, "--balance")
     if args.worker:

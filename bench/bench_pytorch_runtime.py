@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -33,10 +30,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
 
-from bench_distributed import Config, batch, build, launcher_args, launcher_setup, lm_loss
+from bench_distributed import Config, batch, build, lm_loss, torchrun_worker, two_splits_main
 from pipeline_lib.course.pytorch_schedules import PYTORCH_NAMES
 from pipeline_lib.distributed.job import process_group
-from pipeline_lib.partition import balance_by_time
 from pipeline_lib.pytorch.runner import exported, run_step, runtime_for, stages_for
 from pipeline_lib.schedules import build as build_schedule, stages_per_rank
 from timing import Runner, alternate, paired_ratio  # bench/timing.py, beside this file
@@ -106,18 +102,7 @@ def launch_ranks(config: Config, balances: dict[int, list[int]],
                 for fmt in FORMATS:
                     build_schedule(ours, 2, m).to_csv(Path(tmp) / f"m{m}" / f"{ours}-{fmt}.csv",
                                                       format=fmt)
-        out = Path(tmp) / "ranks.json"
-        here = Path(__file__).resolve().parent
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc_per_node", "2", __file__, "--worker",
-                   "--config", json.dumps(asdict(config)), "--balances", json.dumps(balances),
-                   "--out", str(out), "--warmup", str(args.warmup), "--steps", str(args.steps),
-                   "--microbatches", *map(str, args.microbatches)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(here), str(here.parent),
-                                              os.environ.get("PYTHONPATH", "")])}
-        subprocess.run(command, check=True, env=env)
-        return json.loads(out.read_text())
+        return torchrun_worker(__file__, config, balances, args, Path(tmp))
 
 
 def report(config: Config, balances: dict[int, list[int]], runs: list[dict]) -> None:
@@ -143,14 +128,7 @@ def report(config: Config, balances: dict[int, list[int]], runs: list[dict]) -> 
 
 
 def main() -> None:
-    args = launcher_args(__doc__.split("\n\n")[0], [8], 5, "--balances")
-    if args.worker:
-        worker(args)
-        return
-    config, sample = launcher_setup(args)
-    model = build(config)
-    balances = {per_rank: balance_by_time(model, sample, 2 * per_rank) for per_rank in (1, 2)}
-    report(config, balances, launch_ranks(config, balances, args))
+    two_splits_main(__doc__, worker, launch_ranks, report)
 
 
 if __name__ == "__main__":

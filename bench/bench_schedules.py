@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -30,12 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench_distributed import (Config, batch, build, launcher_args, launcher_setup, lm_loss,
+from bench_distributed import (Config, batch, build, lm_loss, torchrun_worker, two_splits_main,
                                zero_grad_of)
 from pipeline_lib.distributed import DistributedPipe
 from pipeline_lib.distributed.job import process_group
 from pipeline_lib.distributed.mesh import Mesh, init_mesh
-from pipeline_lib.partition import balance_by_time
 from pipeline_lib.schedules import build as build_schedule, stages_per_rank
 from pipeline_lib.timeline import Event, Timeline, rank_facts, simulate_measured
 from timing import Runner, alternate, paired_ratio  # bench/timing.py, beside this file
@@ -131,18 +127,7 @@ def where_time_goes(name: str, m: int, steps: list[list[Event]]) -> dict:
 def launch_ranks(config: Config, balances: dict[int, list[int]],
                  args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "ranks.json"
-        here = Path(__file__).resolve().parent
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc_per_node", "2", __file__, "--worker",
-                   "--config", json.dumps(asdict(config)), "--balances", json.dumps(balances),
-                   "--out", str(out), "--warmup", str(args.warmup), "--steps", str(args.steps),
-                   "--microbatches", *map(str, args.microbatches)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(here), str(here.parent),
-                                              os.environ.get("PYTHONPATH", "")])}
-        subprocess.run(command, check=True, env=env)
-        return json.loads(out.read_text())
+        return torchrun_worker(__file__, config, balances, args, Path(tmp))
 
 
 def report(config: Config, balances: dict[int, list[int]], runs: list[dict]) -> None:
@@ -166,14 +151,7 @@ def report(config: Config, balances: dict[int, list[int]], runs: list[dict]) -> 
 
 
 def main() -> None:
-    args = launcher_args(__doc__.split("\n\n")[0], [8], 5, "--balances")
-    if args.worker:
-        worker(args)
-        return
-    config, sample = launcher_setup(args)
-    model = build(config)
-    balances = {per_rank: balance_by_time(model, sample, 2 * per_rank) for per_rank in (1, 2)}
-    report(config, balances, launch_ranks(config, balances, args))
+    two_splits_main(__doc__, worker, launch_ranks, report)
 
 
 if __name__ == "__main__":
