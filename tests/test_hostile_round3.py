@@ -356,7 +356,7 @@ def test_lm_train_claims_its_save_folder(tmp_path, monkeypatch):
     from pipeline_lib import run_state
     from pipeline_lib.lm import train
     monkeypatch.setattr(train, "process_group", lambda timeout: contextlib.nullcontext())
-    monkeypatch.setattr(train, "init_mesh", lambda *args: _Rank0())
+    monkeypatch.setattr(train, "init_mesh", lambda *args, **kwargs: _Rank0())
     monkeypatch.setattr(train, "_tokens", lambda *args: pytest.fail("the claim came late"))
     with run_state.claimed(tmp_path):
         with pytest.raises(RuntimeError, match="another run is saving into"):
