@@ -88,10 +88,10 @@ def test_interrupt_stops_torchrun_and_every_worker(folder):
     assert len(pids) == WORKERS
     driver.send_signal(signal.SIGINT)          # Ctrl-C, or a notebook's stop button
     try:
-        output, _ = driver.communicate(timeout=15)
+        output, _ = driver.communicate(timeout=30)   # the run alone would last 300 s
     except subprocess.TimeoutExpired:
         driver.kill()
-        pytest.fail("torchrun(...) was still running 15 s after Ctrl-C")
+        pytest.fail("torchrun(...) was still running 30 s after Ctrl-C")
     assert "KeyboardInterrupt" in output
     assert not [pid for pid in pids if running(pid)]
 
