@@ -329,20 +329,24 @@ def test_3_2_wrong_answers_fail(wrong):
     fails(EX32, lambda: nb03.check_partitioner(wrong))
 
 
+def packed(costs, limit):
+    """Layers packed greedily into consecutive stages that each cost at most ``limit``."""
+    balance, load = [0], 0.0
+    for c in costs:
+        if load + c > limit:
+            balance.append(0)
+            load = 0.0
+        load += c
+        balance[-1] += 1
+    return balance
+
+
 def test_3_2_search_that_leaves_stages_empty_fails():
     bounds = {(tuple(costs), k): max(stage_costs(costs, optimal_split(costs, k)))
               for costs in nb03.LONG_COSTS for k in (8, 2, 49)}     # before the check
 
     def packed_only(costs, stages):      # the greedy packing at the right bound, unsplit
-        limit = bounds[tuple(costs), stages]
-        balance, load = [0], 0.0
-        for c in costs:
-            if load + c > limit:
-                balance.append(0)
-                load = 0.0
-            load += c
-            balance[-1] += 1
-        return balance
+        return packed(costs, bounds[tuple(costs), stages])
     assert "stages" in fails(EX32, lambda: nb03.check_partitioner(packed_only))
 
 
@@ -363,16 +367,7 @@ def test_3_2_a_table_of_the_shown_cases_fails_on_the_drawn_ones():
 def test_3_2_a_search_over_whole_numbers_only_fails():
     def integer_limits(costs, stages):       # tries limits 1, 2, 3...: fine for whole numbers
         limit = max(costs)
-        while True:
-            balance, load = [0], 0.0
-            for c in costs:
-                if load + c > limit:
-                    balance.append(0)
-                    load = 0.0
-                load += c
-                balance[-1] += 1
-            if len(balance) <= stages:
-                break
+        while len(balance := packed(costs, limit)) > stages:
             limit = math.floor(limit) + 1
         while len(balance) < stages:         # split the largest stage to use every stage
             k = max(range(len(balance)), key=lambda j: balance[j])
