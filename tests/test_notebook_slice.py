@@ -9,7 +9,7 @@ def test_a_cell_reads_only_what_it_did_not_bind_first():
                         "def f(a, b=c):\n    v = a + g\n    return [t for t in v if t > h]\n"
                         "k = lambda t: t + u\n%matplotlib inline\n")
     assert bound == {"p", "x", "w", "f", "k"}
-    assert read == {"ps", "print", "q", "y", "w", "c", "g", "h", "u"}
+    assert read == {"ps", "print", "q", "y", "w", "c", "g", "h", "u", "get_ipython"}
 
 
 def test_the_slice_keeps_every_binding_of_a_needed_name_and_nothing_else():
