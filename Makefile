@@ -5,7 +5,7 @@
 #               outputs) into student/, not committed; open them with make lab FOLDER=student
 #   make test   create/update .venv, install everything, run the unit tests and every notebook,
 #               under nbval and in JupyterLab in Chromium (screenshots in out/browser/;
-#               the notebooks with widgets run there in full)
+#               the widgets and the cells they need run there)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
