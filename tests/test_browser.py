@@ -4,14 +4,14 @@ nbval runs each notebook in a bare kernel; it never starts JupyterLab, renders a
 clicks a menu. Here JupyterLab is started the way `make lab` starts it (tools/lab.py, same
 environment, as the same user), on a free port with a token, and Playwright drives the
 system's Chromium (Debian's ``chromium`` package: Playwright's own browser download is never
-used). The lab lists every notebook. In each notebook that shows widgets (the explorers:
-what only a frontend draws and turns) the test clears the saved outputs, selects the
-widget's cell and the cells it needs (`notebook_slice`), runs them with Run > Run Selected
-Cells, waits for the kernel, fails on any error or traceback and checks that the widget is
-drawn; in notebook 02 it then turns the explorer's schedule dropdown and a slider and checks
-that the chart is redrawn and the printed numbers are the simulator's for the new settings.
-Every cell is run by nbval, in the same kernel; running the others here too would only add
-minutes to CI.
+used). The lab lists every notebook. In notebook 02 the test clears the saved outputs,
+selects the explorer's cell and the cells it needs (`notebook_slice`), runs them with
+Run > Run Selected Cells, waits for the kernel, fails on any error or traceback, checks that
+the explorer is drawn, then turns its schedule dropdown and a slider and checks that the
+chart is redrawn and the printed numbers are the simulator's for the new settings. Every
+explorer is `pipeline_lib.viz.explorer` with other controls: test_explorer.py turns each
+kind (slider, dropdown, checkbox) in a kernel, and nbval runs every cell, 07's ``explore()``
+included; running them here too would only add minutes to CI.
 
 A screenshot per notebook goes to out/browser/ (CI keeps it). Every wait has a timeout, and
 the server, its kernels and everything they started are stopped at the end whatever
@@ -35,7 +35,6 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from conftest import notebook_needs_wikitext
 from notebook_slice import needed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,11 +48,7 @@ def widget_cells(path: Path) -> list[int]:
             and ("ipywidgets" in cell.source or "explorer(" in cell.source)]
 
 
-def shows_widgets(path: Path) -> bool:
-    return bool(widget_cells(path))
-
-
-WITH_WIDGETS = [nb for nb in NOTEBOOKS if shows_widgets(nb)]
+EXPLORER = next(nb for nb in NOTEBOOKS if nb.name.startswith("02_"))
 SCREENSHOTS = ROOT / "out" / "browser"
 MARKER = "PIPELINE_LIB_LAB_TEST"        # set in the server's environment, inherited by all it starts
 SERVER_START_S = 180
@@ -355,25 +350,20 @@ def screenshot(page, notebook: Path) -> None:
         print(f"no screenshot of {notebook.name}: {err}")
 
 
-def test_the_notebooks_have_widgets_to_turn():
-    """What the runs below cover: notebook 02's explorer at least (a rename that hid
-    it from `shows_widgets` would silently drop it)."""
-    assert any(nb.name.startswith("02_") for nb in WITH_WIDGETS)
+def test_notebook_02_has_its_explorer():
+    """A rename that hid it from `widget_cells` would silently leave nothing to turn."""
+    assert len(widget_cells(EXPLORER)) == 1
 
 
 @pytest.mark.timeout(RUN_S + SERVER_START_S + 4 * UI_S)
-@pytest.mark.parametrize("notebook", [
-    pytest.param(nb, id=nb.stem, marks=[pytest.mark.wikitext2] if notebook_needs_wikitext(nb) else [])
-    for nb in WITH_WIDGETS])
-def test_widgets_run_in_lab(lab, browser, notebook):
+def test_notebook_02s_explorer_turns_in_lab(lab, browser):
     from playwright.sync_api import expect
 
-    with lab_page(lab, browser, notebook) as page:
-        state = run_for_widgets(page, lab, notebook)
-        assert not state["errors"], f"{notebook.name} failed in JupyterLab: {state['errors']}"
-        expect(page.locator(".widget-interact")).to_have_count(len(widget_cells(notebook)))
-        if notebook.name.startswith("02_"):
-            check_explorer(page)
+    with lab_page(lab, browser, EXPLORER) as page:
+        state = run_for_widgets(page, lab, EXPLORER)
+        assert not state["errors"], f"{EXPLORER.name} failed in JupyterLab: {state['errors']}"
+        expect(page.locator(".widget-interact")).to_have_count(1)
+        check_explorer(page)
 
 
 @contextlib.contextmanager
