@@ -5,7 +5,7 @@
 #               outputs) into student/, not committed; open them with make lab FOLDER=student
 #   make test   create/update .venv, install everything, run the unit tests and every notebook,
 #               under nbval and in JupyterLab in Chromium (screenshots in out/browser/;
-#               the notebooks with widgets run there in full)
+#               notebook 02's explorer runs and turns there)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -31,12 +31,14 @@ lab: $(VENV)/.installed
 student: $(VENV)/.installed
 	$(BIN)/python tools/student.py student
 
-# Tests run in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one), then the
-# few that measure time (marked alone) with nothing beside them. Both parts always run.
+# Tests run in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one), each on one
+# intra-op thread (two threads per worker on two cores spin against each other: 7% slower,
+# measured), then the few that measure time (marked alone) with nothing beside them, on
+# PyTorch's default threads. Both parts always run.
 TEST_WORKERS ?= 2
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -p no:cacheprovider tests notebooks --nbval --nbval-current-env -q -rs \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:cacheprovider tests notebooks --nbval --nbval-current-env -q -rs \
 		-n $(TEST_WORKERS) --dist loadfile -m "not alone"; parallel=$$?; \
 	$(BIN)/python -m pytest -p no:cacheprovider tests -q -rs -m alone; alone=$$?; \
 	test $$parallel -eq 0 && test $$alone -eq 0

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from pipeline_lib.distributed.pipe import DistributedPipe
+from pipeline_lib.sharded import is_dtensor
 
 
 def clip_grad_norm_(model: nn.Module | DistributedPipe | Tensor | Iterable[Tensor],
@@ -87,15 +87,16 @@ def clip_grad_norm_(model: nn.Module | DistributedPipe | Tensor | Iterable[Tenso
 
 
 def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _copies(grad: Tensor, whole_copies: int) -> int:
     """How many ranks of the job hold the same values as this rank's part of ``grad``:
     a `DTensor`'s mesh dimensions on which it is replicated; a plain tensor is on every
     rank of its stage's tensor-parallel and data-parallel groups (``whole_copies``)."""
-    if not isinstance(grad, DTensor):
+    if not is_dtensor(grad):
         return whole_copies
+    from torch.distributed.tensor import Partial, Replicate   # loaded: grad is a DTensor
     if any(isinstance(p, Partial) for p in grad.placements):
         raise RuntimeError("a gradient is still a Partial DTensor (a sum not yet taken): "
                            "clip after DistributedPipe.step, which sums them")

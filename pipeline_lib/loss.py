@@ -31,10 +31,10 @@ from typing import Any, Iterable, NamedTuple, NoReturn, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from pipeline_lib import tree
 from pipeline_lib.devices import read_back
+from pipeline_lib.sharded import is_dtensor
 
 
 class SumCount(NamedTuple):
@@ -134,7 +134,7 @@ def _empty_mean(loss: Tensor, output: Any) -> Tensor:
     passes the NaN on)."""
     finite = torch.ones((), dtype=torch.bool, device=loss.device)
     for t in tree.tensors(output):
-        if isinstance(t, DTensor):   # logits split over a tensor-parallel group: its part
+        if is_dtensor(t):   # logits split over a tensor-parallel group: its part
             t = t.to_local()
         if t.is_floating_point() or t.is_complex():
             total = t.detach().sum(dtype=None if t.is_complex() else torch.float32)

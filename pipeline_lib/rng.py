@@ -61,8 +61,30 @@ def seed_for(step_seed: int, stage: int, microbatch: int) -> int:
 
 def new_step_seed() -> int:
     """Drawn from the global generator, so `torch.manual_seed` makes steps reproducible.
-    (A read of a CPU tensor: no device to wait for.)"""
-    return int(torch.randint(0, 2**62, ()).item())
+    (A read of a CPU tensor: no device to wait for.) Counted, so that a step's stage
+    threads can tell this draw, made by another thread's ``pipe(x)`` while they run, from
+    a draw of their own (`shared_rng`)."""
+    global _step_seeds
+    with _LOCK:
+        _step_seeds += 1
+        return _draw_step_seed(None)
+
+
+_step_seeds = 0   # how many times `new_step_seed` has drawn in this process
+
+
+def _draw_step_seed(generator: torch.Generator | None) -> int:
+    return int(torch.randint(0, 2**62, (), generator=generator).item())
+
+
+def _only_step_seeds(before: torch.Tensor, seeds: int) -> bool:
+    """Whether the CPU generator, at state ``before``, reaches its state now by ``seeds``
+    draws of `new_step_seed` and nothing else. Call with `_LOCK` held."""
+    replay = torch.Generator()
+    replay.set_state(before)
+    for _ in range(seeds):
+        _draw_step_seed(replay)
+    return torch.equal(replay.get_state(), torch.default_generator.get_state())
 
 
 def _process_generator(device: torch.device) -> torch.Generator:
@@ -284,13 +306,15 @@ def shared_rng(seed: int, device: torch.device | str = "cpu",
     generators = {d: _process_generator(d) for d in (CPU, device)}
     with _LOCK:
         before = {d: g.get_state() for d, g in generators.items()}
+        seeds = _step_seeds
     previous, _local.block = getattr(_local, "block", None), _Block(seed, device)
     try:
         yield
     finally:
         _local.block = previous
     with _LOCK:
-        moved = [str(d) for d, g in generators.items() if not torch.equal(g.get_state(), before[d])]
+        moved = [str(d) for d, g in generators.items() if not torch.equal(g.get_state(), before[d])
+                 and not (d == CPU and _only_step_seeds(before[d], _step_seeds - seeds))]
     if moved:
         _examined.pop(module, None)   # examine the stage again at its next block
         raise RuntimeError(

@@ -59,11 +59,11 @@ from typing import Any, BinaryIO, Callable, Iterator, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline_lib.distributed.pipe import DistributedPipe
 from pipeline_lib.parallel.block import pack_projections, packed_name, unpack_projections
+from pipeline_lib.sharded import is_dtensor
 
 T = TypeVar("T")
 LATEST = "latest"
@@ -121,13 +121,13 @@ def _tensors(module: nn.Module) -> dict[str, Tensor]:
 def _is_split(pipe: DistributedPipe) -> bool:
     """Whether this rank's stages hold parts of tensors (`DTensor`s: tensor
     parallelism, FSDP), which every rank of a stage's group gathers together."""
-    return any(isinstance(p, DTensor) for p in pipe.parameters())
+    return any(is_dtensor(p) for p in pipe.parameters())
 
 
 def _whole(t: Tensor) -> Tensor:
     """A tensor as one process holds it, on the CPU (a `DTensor` gathered: collective)."""
     t = t.detach()
-    return (t.full_tensor() if isinstance(t, DTensor) else t).cpu()
+    return (t.full_tensor() if is_dtensor(t) else t).cpu()
 
 
 def _joined(states: list[dict[str, Any]]) -> dict[str, Any]:
@@ -424,9 +424,10 @@ def _part_like(like: Tensor, saved: Any) -> Any:
     """``saved`` (a whole tensor from a checkpoint, or a number) as ``like`` holds it: a
     parameter-shaped tensor cut to this rank's part of ``like``, a `DTensor`; anything
     else as it is."""
-    if not (isinstance(like, DTensor) and isinstance(saved, Tensor)
+    if not (is_dtensor(like) and isinstance(saved, Tensor)
             and saved.shape == like.shape):
         return saved
+    from torch.distributed.tensor import distribute_tensor   # loaded: like is a DTensor
     return distribute_tensor(saved.to(like.device), like.device_mesh, like.placements,
                              src_data_rank=None)
 
@@ -442,8 +443,8 @@ def _load_parts(module: nn.Module, saved: dict[str, Tensor]) -> None:
                                    f"{list(whole.shape)} from checkpoint, the shape in "
                                    f"current model is {list(t.shape)}")
             part = _part_like(t, whole.to(t.dtype))
-            (t.to_local() if isinstance(t, DTensor) else t).copy_(
-                part.to_local() if isinstance(part, DTensor) else part)
+            (t.to_local() if is_dtensor(t) else t).copy_(
+                part.to_local() if is_dtensor(part) else part)
 
 
 def resume(folder: str | Path, pipe: DistributedPipe, balance: Sequence[int],

@@ -4,13 +4,14 @@ nbval runs each notebook in a bare kernel; it never starts JupyterLab, renders a
 clicks a menu. Here JupyterLab is started the way `make lab` starts it (tools/lab.py, same
 environment, as the same user), on a free port with a token, and Playwright drives the
 system's Chromium (Debian's ``chromium`` package: Playwright's own browser download is never
-used). The lab lists every notebook. The notebooks that show widgets (the explorers: what
-only a frontend draws and turns) run in full: clear the saved outputs, Run > Run All Cells,
-wait for the kernel, and fail on any error or traceback; in notebook 02 it then turns the
-explorer's schedule dropdown and a slider and checks that the chart is redrawn and the
-printed numbers are the simulator's for the new settings. The others are run in full by
-nbval, in the same kernel, and by the student version's test: a third run here would only
-add minutes to CI.
+used). The lab lists every notebook. In notebook 02 the test clears the saved outputs,
+selects the explorer's cell and the cells it needs (`notebook_slice`), runs them with
+Run > Run Selected Cells, waits for the kernel, fails on any error or traceback, checks that
+the explorer is drawn, then turns its schedule dropdown and a slider and checks that the
+chart is redrawn and the printed numbers are the simulator's for the new settings. Every
+explorer is `pipeline_lib.viz.explorer` with other controls: test_explorer.py turns each
+kind (slider, dropdown, checkbox) in a kernel, and nbval runs every cell, 07's ``explore()``
+included; running them here too would only add minutes to CI.
 
 A screenshot per notebook goes to out/browser/ (CI keeps it). Every wait has a timeout, and
 the server, its kernels and everything they started are stopped at the end whatever
@@ -31,26 +32,28 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import nbformat
 import pytest
 
-from conftest import notebook_needs_wikitext
+from notebook_slice import needed
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
-def shows_widgets(path: Path) -> bool:
-    """Whether a notebook displays ipywidgets (its explorer), read from its source."""
-    text = path.read_text(encoding="utf-8")
-    return "ipywidgets" in text or "explorer(" in text
+def widget_cells(path: Path) -> list[int]:
+    """The cells that display ipywidgets (an explorer), read from the notebook's source."""
+    cells = nbformat.read(path, as_version=4).cells
+    return [i for i, cell in enumerate(cells) if cell.cell_type == "code"
+            and ("ipywidgets" in cell.source or "explorer(" in cell.source)]
 
 
-WITH_WIDGETS = [nb for nb in NOTEBOOKS if shows_widgets(nb)]
+EXPLORER = next(nb for nb in NOTEBOOKS if nb.name.startswith("02_"))
 SCREENSHOTS = ROOT / "out" / "browser"
 MARKER = "PIPELINE_LIB_LAB_TEST"        # set in the server's environment, inherited by all it starts
 SERVER_START_S = 180
 KERNEL_START_S = 180
-RUN_ALL_S = 600                         # one notebook, on a slow shared machine
+RUN_S = 600                             # one notebook's cells, on a slow shared machine
 UI_S = 60                               # a click, a page load, a redraw
 STOP_S = 60
 
@@ -226,20 +229,28 @@ def test_lab_serves_the_notebooks(lab):
 NOTEBOOK_STATE = """() => {
   const panel = window.jupyterapp?.shell.currentWidget;
   if (!panel?.content?.model || !panel.sessionContext) return null;
-  const cells = [...panel.content.model.cells].filter(c => c.type === 'code');
+  const cells = [...panel.content.model.cells].map((c, i) => [i, c])
+    .filter(([, c]) => c.type === 'code');
   const outputs = c => [...Array(c.outputs.length).keys()].map(j => c.outputs.get(j).toJSON());
   return {
     path: panel.context.path,
     kernel: panel.sessionContext.session?.kernel?.status ?? null,
-    cells: cells.length,
-    running: cells.filter(c => c.executionState === 'running').length,
-    unrun: cells.filter(c => c.executionCount === null).length,
-    errors: cells.flatMap((c, i) => outputs(c)
+    running: cells.filter(([, c]) => c.executionState === 'running').length,
+    unrun: cells.filter(([, c]) => c.executionCount === null).map(([i]) => i),
+    errors: cells.flatMap(([i, c]) => outputs(c)
       .filter(o => o.output_type === 'error'
                 || String(o.text ?? '').includes('Traceback (most recent call last)'))
-      .map(o => `code cell ${i + 1}: ` + (o.output_type === 'error'
+      .map(o => `cell ${i}: ` + (o.output_type === 'error'
                 ? `${o.ename}: ${o.evalue}` : `a traceback on ${o.name}`))),
   };
+}"""
+# Select these cells (indices among all cells) and run them as Run > Run Selected Cells does.
+RUN_SELECTED = """(indices) => {
+  const app = window.jupyterapp, notebook = app.shell.currentWidget.content;
+  notebook.deselectAll();
+  notebook.activeCellIndex = indices[0];
+  for (const i of indices) notebook.select(notebook.widgets[i]);
+  app.commands.execute('notebook:run-cell');
 }"""
 SCROLL_TO_FIRST_ERROR = """() => {
   const panel = window.jupyterapp.shell.currentWidget;
@@ -275,13 +286,16 @@ def open_notebook(page, lab, notebook: Path) -> dict:
                     KERNEL_START_S, f"{notebook.name} to open with an idle kernel")
 
 
-def run_all(page, lab, notebook: Path) -> dict:
-    state = open_notebook(page, lab, notebook)
+def run_for_widgets(page, lab, notebook: Path) -> dict:
+    """Run the widget cells and the cells they need, from cleared outputs."""
+    cells = needed(nbformat.read(notebook, as_version=4), widget_cells(notebook))
+    open_notebook(page, lab, notebook)
     menu(page, "Edit", "Clear Outputs of All Cells")   # so every count and output is from this run
-    wait_for(page, lambda s: s["unrun"] == state["cells"], UI_S, "the outputs to clear")
-    menu(page, "Run", "Run All Cells")
+    wait_for(page, lambda s: set(cells) <= set(s["unrun"]), UI_S, "the outputs to clear")
+    page.evaluate(RUN_SELECTED, cells)
     return wait_for(page, lambda s: s["kernel"] == "idle" and not s["running"]
-                    and (not s["unrun"] or s["errors"]), RUN_ALL_S, f"{notebook.name} to run")
+                    and (not set(cells) & set(s["unrun"]) or s["errors"]), RUN_S,
+                    f"cells {cells} of {notebook.name} to run")
 
 
 def expected_peaks(schedule: str, p: int, m: int, v: int, backward_ratio: float) -> str:
@@ -336,22 +350,20 @@ def screenshot(page, notebook: Path) -> None:
         print(f"no screenshot of {notebook.name}: {err}")
 
 
-def test_the_notebooks_have_widgets_to_turn():
-    """What the full runs below cover: notebook 02's explorer at least (a rename that hid
-    it from `shows_widgets` would silently drop it)."""
-    assert any(nb.name.startswith("02_") for nb in WITH_WIDGETS)
+def test_notebook_02_has_its_explorer():
+    """A rename that hid it from `widget_cells` would silently leave nothing to turn."""
+    assert len(widget_cells(EXPLORER)) == 1
 
 
-@pytest.mark.timeout(RUN_ALL_S + SERVER_START_S + 4 * UI_S)
-@pytest.mark.parametrize("notebook", [
-    pytest.param(nb, id=nb.stem, marks=[pytest.mark.wikitext2] if notebook_needs_wikitext(nb) else [])
-    for nb in WITH_WIDGETS])
-def test_notebook_runs_in_lab(lab, browser, notebook):
-    with lab_page(lab, browser, notebook) as page:
-        state = run_all(page, lab, notebook)
-        assert not state["errors"], f"{notebook.name} failed in JupyterLab: {state['errors']}"
-        if notebook.name.startswith("02_"):
-            check_explorer(page)
+@pytest.mark.timeout(RUN_S + SERVER_START_S + 4 * UI_S)
+def test_notebook_02s_explorer_turns_in_lab(lab, browser):
+    from playwright.sync_api import expect
+
+    with lab_page(lab, browser, EXPLORER) as page:
+        state = run_for_widgets(page, lab, EXPLORER)
+        assert not state["errors"], f"{EXPLORER.name} failed in JupyterLab: {state['errors']}"
+        expect(page.locator(".widget-interact")).to_have_count(1)
+        check_explorer(page)
 
 
 @contextlib.contextmanager

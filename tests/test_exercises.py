@@ -6,6 +6,7 @@ solution would grade every learner wrong. Both are bugs this file exists to catc
 """
 from __future__ import annotations
 
+import ast
 import builtins
 import errno
 import io
@@ -16,6 +17,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+import notebook_slice
 from conftest import notebook_needs_wikitext
 from notebook_client import notebook_client
 
@@ -86,36 +88,47 @@ def test_enough_exercises_ask_for_code():
     assert len(code) >= 8, f"only {len(code)} exercises ask for code"
 
 
+def imported(source: str) -> set[str]:
+    return {(a.asname or a.name).split(".")[0] for node in ast.walk(notebook_slice.parse(source))
+            if isinstance(node, (ast.Import, ast.ImportFrom)) for a in node.names}
+
+
 @pytest.mark.timeout(len(NOTEBOOKS) * RUN_S)
 @pytest.mark.parametrize("notebook", params())
 def test_student_version_fails_every_check_with_its_message(notebook):
+    """The student version differs from the instructor's only in its solution cells, so a
+    cell that reads no name a solution binds runs as nbval runs it. Run the check cells,
+    the stubs and the cells they need (`notebook_slice`); assert that no other cell reads
+    a name only a solution binds (a learner's notebook would fail there)."""
+    instructor = nbformat.read(notebook, as_version=4)
     nb = student_version(notebook)
     assert "### BEGIN SOLUTION" not in "".join(c.source for c in nb.cells)
-    # Run up to the last check: the cells after it (appendices, a long training run) are run
-    # by nbval already; here it is enough that none of them uses a name a solution defines.
-    last = max(i for i, _ in checks(nb))
-    defined = {name for cell in nb.cells if nbgrader(cell).get("solution")
-               for name in re.findall(r"^def (\w+)", cell.source, re.MULTILINE)}
-    for i, cell in enumerate(nb.cells[last + 1:], last + 1):
-        used = {name for name in defined if cell.cell_type == "code"
-                and re.search(rf"\b{name}\b", cell.source)}
-        assert not used, f"{notebook.name}: cell {i}, after the last check, uses {used}"
-    nb.cells = nb.cells[:last + 1]
+    solutions = [i for i, cell in enumerate(nb.cells) if nbgrader(cell).get("solution")]
+    only_solved = set().union(*(notebook_slice.bound(instructor.cells[i].source)
+                                - imported(nb.cells[i].source) for i in solutions))
+    graded = [i for i, _ in checks(nb)]
+    run = notebook_slice.needed(nb, graded + solutions)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and i not in graded and i not in solutions:
+            used = notebook_slice.read(cell.source) & only_solved
+            assert not used, f"{notebook.name}: cell {i} uses {used}, which only a solution " \
+                             f"defines: it fails in the student version\n{cell.source}"
+    nb = notebook_slice.sliced(nb, run)
     notebook_client(nb, notebook.parent, RUN_S, allow_errors=True).execute()
-    found = checks(nb)
-    for i, name in found:
+    original = nb.metadata.pop("slice_of")
+    for i, name in checks(nb):
         failures = errors(nb.cells[i])
         assert failures, f"{notebook.name}: {name} passed on the stub"
         assert failures[0]["ename"] == "ExerciseFailed" and \
             failures[0]["evalue"].startswith(f"{name}:"), \
             f"{notebook.name}: {name} failed with {failures[0]['ename']}: " \
             f"{failures[0]['evalue']}, not with its own message"
-    graded = {i for i, _ in found}
     for i, cell in enumerate(nb.cells):
-        if i not in graded and not nbgrader(cell).get("solution"):
+        if not nbgrader(cell).get("grade") and not nbgrader(cell).get("solution"):
             assert not errors(cell), \
-                f"{notebook.name}: cell {i} fails in the student version (it must not " \
-                f"depend on an exercise's solution): {errors(cell)[0]['evalue']}\n{cell.source}"
+                f"{notebook.name}: cell {original[i]} fails in the student version, run " \
+                f"with only the cells the checks need: {errors(cell)[0]['evalue']}\n" \
+                f"{cell.source}"
 
 
 def test_make_student_writes_every_notebook_without_solutions_or_outputs(tmp_path):

@@ -342,6 +342,30 @@ def test_a_draw_outside_the_layers_found_is_an_error_and_the_stage_is_examined_a
             assert torch.equal(module(x), expected)
 
 
+def test_a_step_seed_drawn_by_another_thread_during_a_block_is_not_the_stages_draw():
+    """Another thread's ``pipe(x)`` draws its step's seed from the global generator while
+    a step's stage runs: that is not a draw of the stage, and the block goes on; a seed
+    and a stray draw together still are one."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    x = torch.randn(2, 4)
+    with rng.shared_rng(1, "cpu", module):          # the first block finds the dropout
+        module(x)
+
+    def elsewhere(stray: bool) -> None:
+        thread = threading.Thread(target=lambda: [rng.new_step_seed() for _ in range(3)]
+                                  + ([torch.rand(1)] if stray else []))
+        thread.start()
+        thread.join(timeout=30)
+
+    with rng.shared_rng(1, "cpu", module):
+        module(x)
+        elsewhere(stray=False)
+    with pytest.raises(RuntimeError, match="threads share, outside the layers"):
+        with rng.shared_rng(1, "cpu", module):
+            module(x)
+            elsewhere(stray=True)
+
+
 def test_a_stage_drawing_outside_its_layers_keeps_the_dispatch_mode(monkeypatch):
     """A loss_fn that draws (label smoothing by noise, say) runs in the stage's block
     but in no layer: no layer can swap the stream in, so every block sees each kernel,

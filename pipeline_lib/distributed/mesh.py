@@ -137,6 +137,8 @@ class Mesh:
     # the groups as a DeviceMesh, dimensions named "pp", "dp", "tp" (those of size > 1,
     # slowest first); None when neither tp nor dp is above 1
     device_mesh: DeviceMesh | None = None
+    # the most by which two ranks' clocks can disagree (seconds): see `init_mesh`
+    clock_spread: float = 0.0
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -190,7 +192,8 @@ class Mesh:
 
     def clock(self) -> float:
         """Seconds since the mesh was made: every rank's clock started at one barrier, so
-        events of different ranks can be drawn on one time axis."""
+        events of different ranks can be drawn on one time axis, give or take
+        ``clock_spread``."""
         return time.perf_counter() - self.clock_zero
 
 
@@ -227,11 +230,26 @@ def init_mesh(pp: int, dp: int = 1, timeout: float = 300.0,
             if rank in ranks:
                 found[dim] = group
     device = rank_device(dist.get_backend())
-    dist.barrier()
+    clock_zero, clock_spread = _common_clock_zero(device)
     return Mesh(pp, dp, rank, mine["dp"], mine["pp"], device, timeout, found["dp"],
-                found["pp"], clock_zero=time.perf_counter(), order=order, tp=tp,
+                found["pp"], clock_zero=clock_zero, order=order, tp=tp,
                 tp_rank=mine["tp"], tp_group=found["tp"],
-                device_mesh=_device_mesh(device.type, dims, sizes, found))
+                device_mesh=_device_mesh(device.type, dims, sizes, found),
+                clock_spread=clock_spread)
+
+
+def _common_clock_zero(device: torch.device) -> tuple[float, float]:
+    """Start every rank's clock as it leaves one barrier, and bound how far apart they
+    started. Ranks leave a barrier at different instants (one is descheduled, a message
+    arrives later); a second barrier bounds the spread: no rank leaves it before the last
+    one has left the first, so the longest any rank spent between the two is at least
+    the largest gap between two ranks' zeros."""
+    dist.barrier()
+    zero = time.perf_counter()
+    dist.barrier()
+    spread = torch.tensor([time.perf_counter() - zero], dtype=torch.float64, device=device)
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    return zero, spread.item()
 
 
 def _device_mesh(device_type: str, dims: str, sizes: dict[str, int],

@@ -122,9 +122,6 @@ from typing import Any, Callable, ContextManager, Iterator, NoReturn, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline_lib import tree
@@ -140,11 +137,10 @@ from pipeline_lib.lowering import lower
 from pipeline_lib.microbatch import NoChunk
 from pipeline_lib.parallel.block import shardable
 from pipeline_lib.parallel.boundaries import split_at_boundaries
-from pipeline_lib.parallel.fsdp import reduce_gradients, replicate_stage, shard_stage, start_step
-from pipeline_lib.parallel.tensor_parallel import sum_partial_gradients, tensor_parallel
 from pipeline_lib.partition import group_layers
 from pipeline_lib.rng import new_step_seed, owned_rng, seed_for
 from pipeline_lib.schedules import Action, Schedule, plan, splits_backward
+from pipeline_lib.sharded import is_dtensor, is_fsdp_module
 from pipeline_lib.skip import describe, skip_routes
 from pipeline_lib.stage import LossFn, StageRunner
 from pipeline_lib.step import local_loss, make_runners, split_batch, train_step
@@ -206,8 +202,8 @@ class DistributedPipe:
         # have accumulated.
         self.sync_at = {step.action.stage: step.action for step in self.program
                         if step.action.kind in ("B", "W")
-                        and isinstance(self.modules[step.action.stage],
-                                       (DistributedDataParallel, FSDPModule))}
+                        and (isinstance(self.modules[step.action.stage], DistributedDataParallel)
+                             or is_fsdp_module(self.modules[step.action.stage]))}
         mesh.connect(self.lowered.pairs())
         self.transport = (PostedEarly if post_early else PointToPoint)(mesh, self.lowered)
         self.events: list[Event] = []
@@ -218,9 +214,10 @@ class DistributedPipe:
         over the data-parallel ones."""
         mesh, schedule = self.mesh, self.schedule
         stage = stage.to(mesh.device)
-        if mesh.tp > 1:
-            stage = tensor_parallel(shardable(stage), mesh.device_mesh["tp"],
-                                    self.sequence_parallel)
+        if mesh.tp > 1:   # (tensor parallelism's modules imported only where used: sharded.py)
+            from pipeline_lib.parallel import tensor_parallel
+            stage = tensor_parallel.tensor_parallel(shardable(stage), mesh.device_mesh["tp"],
+                                                    self.sequence_parallel)
             if not self.sequence_parallel:   # else each rank sends its own positions
                 elsewhere = lambda other: schedule.rank_of(other) != mesh.pipe_rank  # noqa: E731
                 split_at_boundaries(stage, mesh.tp_group,
@@ -232,10 +229,11 @@ class DistributedPipe:
         mesh = self.mesh
         if mesh.dp == 1 or not any(p.requires_grad for p in stage.parameters()):
             return stage
+        from pipeline_lib.parallel import fsdp
         if self.shard_parameters:
-            return shard_stage(stage, mesh.device_mesh["dp"], self.reshard_after_forward)
+            return fsdp.shard_stage(stage, mesh.device_mesh["dp"], self.reshard_after_forward)
         if mesh.tp > 1:   # DDP refuses DTensor weights: its all-reduce on FSDP's machinery
-            return replicate_stage(stage, mesh.device_mesh["dp"])
+            return fsdp.replicate_stage(stage, mesh.device_mesh["dp"])
         cuda = mesh.device.type == "cuda"
         # Buffers are made equal once, at construction; syncing them on every forward
         # would be one more collective per micro-batch.
@@ -299,15 +297,20 @@ class DistributedPipe:
                     if isinstance(module, DistributedDataParallel):
                         around.enter_context(module.no_sync())
                 # a split backward's W needs the weights that I used: kept through the step
-                start_step([m for m in self.modules.values() if isinstance(m, FSDPModule)],
-                           self.reshard_after_forward and not splits_backward(schedule))
+                sharded = [m for m in self.modules.values() if is_fsdp_module(m)]
+                if sharded:
+                    from pipeline_lib.parallel import fsdp
+                    fsdp.start_step(sharded, self.reshard_after_forward
+                                    and not splits_backward(schedule))
                 if mesh.tp > 1:
+                    from torch.distributed.tensor.parallel import loss_parallel
                     around.enter_context(loss_parallel())
                 run_program(self.program, runners, last, micro_in, micro_target,
                             self.transport, stopwatch, schedule.name, around=self._armed)
             self.transport.finish_step()   # names any message that did not come in time
             if mesh.tp > 1:
-                sum_partial_gradients(self.parameters())
+                from pipeline_lib.parallel import tensor_parallel
+                tensor_parallel.sum_partial_gradients(self.parameters())
             self.events = stopwatch.events()
             loss, scale = self._loss(runners.get(last))
             if 0 in runners:   # DDP averaged the replicas' sums, which x.grad skips
@@ -372,8 +375,9 @@ class DistributedPipe:
         if self.sync_at.get(action.stage) != action:
             return contextlib.nullcontext()
         module = self.modules[action.stage]
-        if isinstance(module, FSDPModule):
-            return _then(lambda: reduce_gradients(module))
+        if is_fsdp_module(module):
+            from pipeline_lib.parallel import fsdp
+            return _then(lambda: fsdp.reduce_gradients(module))
         return self._all_reducing(action.stage)
 
     @contextlib.contextmanager
@@ -467,7 +471,7 @@ def _vocabulary_parallel(loss_fn: LossFn) -> LossFn:
     under PyTorch's ``loss_parallel``), its loss (and count) as this rank's plain tensors:
     the same on every rank of the tensor-parallel group."""
     def loss(out: Any, target: Any) -> Any:
-        return tree.map_tensors(lambda t: t.to_local() if isinstance(t, DTensor) else t,
+        return tree.map_tensors(lambda t: t.to_local() if is_dtensor(t) else t,
                                 loss_fn(out, target))
     return loss
 

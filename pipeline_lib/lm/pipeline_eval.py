@@ -16,14 +16,13 @@ from typing import Any, ContextManager, Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline_lib.devices import transfer
 from pipeline_lib.distributed.pipe import DistributedPipe
 from pipeline_lib.lm.data import get_batch
 from pipeline_lib.lm.loops import batch_starts, lm_loss
+from pipeline_lib.sharded import is_dtensor
 
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -90,12 +89,12 @@ def evaluate_pipeline(pipe: DistributedPipe, source: Tensor, bptt: int, *,
             rows = torch.tensor_split(torch.arange(inputs.size(0)), mesh.dp)[mesh.replica]
             # logits split over the vocabulary (tp > 1) take loss_parallel's cross-entropy;
             # each tp rank then adds the same sum and count: the mean is unchanged
-            with precision(), loss_parallel() if mesh.tp > 1 else contextlib.nullcontext():
+            with precision(), _vocabulary_parallel(mesh.tp):
                 logits = _forward_stages(pipe, stages, inputs[rows])
                 if logits is not None:
                     mine = targets[rows].to(mesh.device)
                     loss = lm_loss(logits, mine, reduction="sum")
-                    totals[0] += (loss.to_local() if isinstance(loss, DTensor) else loss).double()
+                    totals[0] += (loss.to_local() if is_dtensor(loss) else loss).double()
                     totals[1] += mine.numel()
     finally:
         for s, m in stages.items():
@@ -103,3 +102,12 @@ def evaluate_pipeline(pipe: DistributedPipe, source: Tensor, bptt: int, *,
     dist.all_reduce(totals)   # only the replicas' last-stage ranks added anything
     mean = (totals[0] / totals[1]).item()
     return mean, math.exp(mean)
+
+
+def _vocabulary_parallel(tp: int) -> ContextManager[None]:
+    """PyTorch's ``loss_parallel`` where the logits are split over the vocabulary
+    (imported only then: see `pipeline_lib.sharded`)."""
+    if tp == 1:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+    return loss_parallel()

@@ -91,6 +91,7 @@ class RankRecord:
     #                              (what `clip_grad_norm_` found on this rank); [] unclipped
     parameters: dict[str, Tensor]
     last_step: list[Event]
+    clock_spread: float          # the most by which its clock and another rank's disagree
 
 
 def write_ddp_pipeline_setup(workdir: str | Path, setup: Setup) -> Path:
@@ -203,7 +204,7 @@ def train_and_record(setup: Setup, mesh: Mesh) -> RankRecord:
         replica_losses=replica_losses, losses=losses, all_reduces=all_reduces,
         grad_norms=grad_norms,
         parameters={names[id(p)]: p.detach().cpu().clone() for p in pipe.parameters()},
-        last_step=pipe.events)
+        last_step=pipe.events, clock_spread=mesh.clock_spread)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
