@@ -67,14 +67,14 @@ def new_step_seed() -> int:
     global _step_seeds
     with _LOCK:
         _step_seeds += 1
-        return _draw_step_seed(None)
+        return int(_seed(None).item())
 
 
 _step_seeds = 0   # how many times `new_step_seed` has drawn in this process
 
 
-def _draw_step_seed(generator: torch.Generator | None) -> int:
-    return int(torch.randint(0, 2**62, (), generator=generator).item())
+def _seed(generator: torch.Generator | None) -> torch.Tensor:
+    return torch.randint(0, 2**62, (), generator=generator)
 
 
 def _only_step_seeds(before: torch.Tensor, seeds: int) -> bool:
@@ -83,7 +83,7 @@ def _only_step_seeds(before: torch.Tensor, seeds: int) -> bool:
     replay = torch.Generator()
     replay.set_state(before)
     for _ in range(seeds):
-        _draw_step_seed(replay)
+        _seed(replay)
     return torch.equal(replay.get_state(), torch.default_generator.get_state())
 
 

@@ -240,6 +240,19 @@ def test_a_window_draws_part_of_the_step_with_room_for_the_stage_labels():
     assert all(0 <= t.get_position()[0] <= 6 for t in part.texts)
 
 
+def test_a_window_draws_only_the_boxes_in_view():
+    timeline = simulate(interleaved_1f1b(4, 8, 2), forward=0.5, backward=1.0)
+
+    def boxes(ax) -> int:      # the action boxes: every bar but each row's idle one
+        return sum(len(bars.get_paths()) for bars in ax.collections) - timeline.ranks
+
+    whole = boxes(gantt(timeline, ax=axes()))
+    part = boxes(gantt(timeline, ax=axes(), window=(0, 6)))
+    in_view = [e for e in timeline.events if e.start <= 6]
+    assert whole == len(timeline.events)
+    assert 0 < part == len(in_view) < whole
+
+
 def test_legend_handles_cover_several_charts():
     from pipeline_lib.viz.plot import legend_handles
     labels = [h.get_label() for h in legend_handles([simulate(gpipe(2, 2)),

@@ -111,11 +111,16 @@ def gantt(timeline: Timeline, ax: Axes | None = None, title: str | None = None,
     def paler(k: int) -> float:
         return 0.5 * k / (per_rank - 1) if interleaved else 0.0
 
+    # Only the boxes in the window: a planned step of a large run has thousands, and each
+    # drawn off-screen still costs its hatching when the figure is rendered.
+    in_view: dict[tuple[int, int], list] = {}
+    for e in timeline.events:
+        if e.end * scale >= shown[0] and e.start * scale <= shown[1]:
+            in_view.setdefault((e.rank, virtual[e.rank, e.action.stage]), []).append(e)
     for rank in range(timeline.ranks):
         ax.broken_barh([(0, span)], (rank - 0.4, 0.8), color=IDLE_COLOUR, zorder=0)
         for k in range(per_rank):
-            events = [e for e in timeline.events
-                      if e.rank == rank and virtual[e.rank, e.action.stage] == k]
+            events = in_view.get((rank, k))
             if not events:
                 continue
             boxes = ax.broken_barh(
