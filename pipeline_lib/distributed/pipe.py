@@ -117,6 +117,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from types import ModuleType
 from typing import Any, Callable, ContextManager, Iterator, NoReturn, Sequence
 
 import torch
@@ -214,10 +215,9 @@ class DistributedPipe:
         over the data-parallel ones."""
         mesh, schedule = self.mesh, self.schedule
         stage = stage.to(mesh.device)
-        if mesh.tp > 1:   # (tensor parallelism's modules imported only where used: sharded.py)
-            from pipeline_lib.parallel import tensor_parallel
-            stage = tensor_parallel.tensor_parallel(shardable(stage), mesh.device_mesh["tp"],
-                                                    self.sequence_parallel)
+        if mesh.tp > 1:
+            stage = _tensor_parallel().tensor_parallel(shardable(stage), mesh.device_mesh["tp"],
+                                                       self.sequence_parallel)
             if not self.sequence_parallel:   # else each rank sends its own positions
                 elsewhere = lambda other: schedule.rank_of(other) != mesh.pipe_rank  # noqa: E731
                 split_at_boundaries(stage, mesh.tp_group,
@@ -229,11 +229,10 @@ class DistributedPipe:
         mesh = self.mesh
         if mesh.dp == 1 or not any(p.requires_grad for p in stage.parameters()):
             return stage
-        from pipeline_lib.parallel import fsdp
         if self.shard_parameters:
-            return fsdp.shard_stage(stage, mesh.device_mesh["dp"], self.reshard_after_forward)
+            return _fsdp().shard_stage(stage, mesh.device_mesh["dp"], self.reshard_after_forward)
         if mesh.tp > 1:   # DDP refuses DTensor weights: its all-reduce on FSDP's machinery
-            return fsdp.replicate_stage(stage, mesh.device_mesh["dp"])
+            return _fsdp().replicate_stage(stage, mesh.device_mesh["dp"])
         cuda = mesh.device.type == "cuda"
         # Buffers are made equal once, at construction; syncing them on every forward
         # would be one more collective per micro-batch.
@@ -299,18 +298,16 @@ class DistributedPipe:
                 # a split backward's W needs the weights that I used: kept through the step
                 sharded = [m for m in self.modules.values() if is_fsdp_module(m)]
                 if sharded:
-                    from pipeline_lib.parallel import fsdp
-                    fsdp.start_step(sharded, self.reshard_after_forward
-                                    and not splits_backward(schedule))
-                if mesh.tp > 1:
+                    _fsdp().start_step(sharded, self.reshard_after_forward
+                                       and not splits_backward(schedule))
+                if mesh.tp > 1:   # (DTensor is loaded: the stages were split)
                     from torch.distributed.tensor.parallel import loss_parallel
                     around.enter_context(loss_parallel())
                 run_program(self.program, runners, last, micro_in, micro_target,
                             self.transport, stopwatch, schedule.name, around=self._armed)
             self.transport.finish_step()   # names any message that did not come in time
             if mesh.tp > 1:
-                from pipeline_lib.parallel import tensor_parallel
-                tensor_parallel.sum_partial_gradients(self.parameters())
+                _tensor_parallel().sum_partial_gradients(self.parameters())
             self.events = stopwatch.events()
             loss, scale = self._loss(runners.get(last))
             if 0 in runners:   # DDP averaged the replicas' sums, which x.grad skips
@@ -376,8 +373,7 @@ class DistributedPipe:
             return contextlib.nullcontext()
         module = self.modules[action.stage]
         if is_fsdp_module(module):
-            from pipeline_lib.parallel import fsdp
-            return _then(lambda: fsdp.reduce_gradients(module))
+            return _then(lambda: _fsdp().reduce_gradients(module))
         return self._all_reducing(action.stage)
 
     @contextlib.contextmanager
@@ -464,6 +460,20 @@ def _then(after: Callable[[], None]) -> Iterator[None]:
     """Run ``after`` once the block has finished without an error."""
     yield
     after()
+
+
+def _fsdp() -> ModuleType:
+    """`parallel.fsdp`, imported where a stage is sharded or replicated by FSDP's
+    machinery: importing it (and DTensor with it) costs a second per process that most
+    runs never need (see `pipeline_lib.sharded`)."""
+    from pipeline_lib.parallel import fsdp
+    return fsdp
+
+
+def _tensor_parallel() -> ModuleType:
+    """`parallel.tensor_parallel`, imported where tp > 1, as `_fsdp`."""
+    from pipeline_lib.parallel import tensor_parallel
+    return tensor_parallel
 
 
 def _vocabulary_parallel(loss_fn: LossFn) -> LossFn:
